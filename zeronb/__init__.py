@@ -1,0 +1,25 @@
+"""zeronb: the helper package of the zeronb course.
+
+Runs real multi-process torch.distributed code from notebook cells:
+
+    import zeronb
+    zeronb.start(world_size=4)            # 4 rank processes, one process group
+    res = zeronb.run(fn, *args)           # fn on every rank; res[r] is rank r's return value
+    zeronb.shutdown()
+
+or, in IPython/Jupyter, `%load_ext zeronb` and a cell that starts with `%%ranks -n 4`.
+Inside a rank, code uses plain torch.distributed; zeronb only launches, counts and draws.
+"""
+from .backend import device
+from .cluster import Cluster, RankError, RankResults, RankTimeout, current, run, shutdown, start
+
+__version__ = "0.1.0"
+__all__ = ["Cluster", "RankError", "RankResults", "RankTimeout", "current", "device", "run",
+           "shutdown", "start", "load_ipython_extension"]
+
+
+def load_ipython_extension(ipython):
+    """`%load_ext zeronb`: registers the %%ranks cell magic."""
+    from .magic import register
+
+    register(ipython)

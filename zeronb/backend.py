@@ -1,0 +1,116 @@
+"""Which backend and device each rank uses, and the torch-version shims.
+
+Everything that depends on the machine (GPUs or not) or on the torch version lives here, so that
+the rest of zeronb, the notebooks and the tests can stay the same everywhere.
+"""
+from __future__ import annotations
+
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+def cuda_device_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def choose_backend(world_size: int, backend: str = "auto") -> tuple[str, str]:
+    """Return (backend, why): the backend a pool of `world_size` ranks uses, and one line saying why.
+
+    NCCL needs one GPU per rank (two ranks on one GPU fail with "Duplicate GPU detected"), so "auto"
+    picks NCCL only when there are at least `world_size` GPUs, and gloo on CPU otherwise.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, not {backend!r}")
+    if not dist.is_available():
+        raise RuntimeError("this build of torch has no torch.distributed; install a build that has it")
+    gpus = cuda_device_count()
+    if backend == "nccl":
+        if not dist.is_nccl_available():
+            raise ValueError("backend='nccl' asked for, but this torch build has no NCCL "
+                             "(a CPU build?). Use backend='gloo' or 'auto'.")
+        if gpus < world_size:
+            raise ValueError(f"backend='nccl' needs one GPU per rank: {world_size} ranks, but "
+                             f"{gpus} GPU(s) visible. Use fewer ranks, or backend='gloo' to run on CPU.")
+        return "nccl", f"nccl: {world_size} ranks on {world_size} of {gpus} GPU(s), one GPU per rank"
+    if backend == "auto" and gpus >= world_size and dist.is_nccl_available():
+        return "nccl", f"nccl: {gpus} GPU(s) for {world_size} ranks, one GPU per rank"
+    if not dist.is_gloo_available():
+        raise RuntimeError("this torch build has no gloo backend, and gloo is what runs on CPU")
+    if backend == "gloo":
+        why = "gloo on CPU, as asked"
+    elif gpus == 0:
+        why = "gloo on CPU: no GPU visible"
+    else:
+        why = f"gloo on CPU: {world_size} ranks need {world_size} GPUs for nccl, {gpus} visible"
+    return "gloo", why
+
+
+def rank_device(backend: str, rank: int) -> torch.device:
+    """The device a rank computes on: its own GPU under NCCL (all ranks on one machine, so the
+    global rank picks it), the CPU under gloo."""
+    return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+
+
+def device() -> torch.device:
+    """Inside a rank: the device this rank's tensors should live on."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def loopback_interface() -> str:
+    """Name of the loopback interface, for GLOO_SOCKET_IFNAME (gloo otherwise binds to whatever the
+    hostname resolves to, which may be a public address)."""
+    try:
+        for _, name in socket.if_nameindex():
+            if name.startswith("lo"):
+                return name
+    except OSError:
+        pass
+    return "lo0" if sys.platform == "darwin" else "lo"
+
+
+def loopback_store(world_size: int, timeout) -> dist.TCPStore:
+    """The rendezvous store, hosted by the calling process on 127.0.0.1 and a free port.
+
+    TCPStore binds every interface when it opens its own socket; handing it a socket already bound
+    to 127.0.0.1 keeps it off the network. Port 0 lets the OS pick a free port, so two notebooks
+    never collide (and nothing races between choosing a port and binding it).
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(max(64, world_size))
+    port = sock.getsockname()[1]
+    # the store owns the listening socket from here on (detach: Python must not close it)
+    kw = dict(world_size=None, is_master=True, timeout=timeout, wait_for_workers=False,
+              master_listen_fd=sock.detach())
+    try:
+        store = dist.TCPStore("127.0.0.1", port, **kw)
+    except (RuntimeError, ValueError):  # older libuv stores do not take a listening fd
+        store = dist.TCPStore("127.0.0.1", port, use_libuv=False, **kw)
+    return store
+
+
+# --- torch-version shims: the only place that looks at the torch version ---------------------
+# torch 2.13 added all_gather_single / reduce_scatter_single and deprecated the *_tensor names.
+
+if hasattr(dist, "all_gather_single"):
+    def all_gather_single(output, input, group=None, async_op=False):
+        return dist.all_gather_single(output, input, group=group, async_op=async_op)
+
+    def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+else:
+    def all_gather_single(output, input, group=None, async_op=False):
+        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+    def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+
+all_gather_single.__doc__ = "all-gather into one flat tensor (all_gather_single, or its pre-2.13 name)"
+reduce_scatter_single.__doc__ = "reduce-scatter one flat tensor (reduce_scatter_single, or its pre-2.13 name)"
