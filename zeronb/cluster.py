@@ -95,6 +95,12 @@ def _validate_world_size(world_size) -> int:
     return world_size
 
 
+def _import_path() -> list[str]:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = [here] + [os.path.abspath(p or os.getcwd()) for p in sys.path]
+    return list(dict.fromkeys(p for p in paths if os.path.isdir(p)))
+
+
 def _default_timeout() -> float:
     return float(os.environ.get("ZERONB_TIMEOUT", DEFAULT_TIMEOUT))
 
@@ -247,9 +253,9 @@ class Cluster:
             "ZERONB_BACKEND": self.backend, "ZERONB_THREADS": str(self.threads),
             "OMP_NUM_THREADS": str(self.threads), "PYTHONUNBUFFERED": "1",
             "GLOO_SOCKET_IFNAME": _backend.loopback_interface(),
-            # make sure the ranks import the same zeronb as this process
-            "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(__file__)),
-                                                         env.get("PYTHONPATH")])),
+            # the ranks import what this process can import (this zeronb, the notebook's own
+            # modules): functions from importable modules are pickled by reference
+            "PYTHONPATH": os.pathsep.join(_import_path()),
         })
         self._ranks = []
         try:
@@ -568,25 +574,32 @@ class Cluster:
                 f"; its last output on stderr:\n{err[-4000:]}" if err else "")
         failed = sorted(set(errors) | set(died))
         timed_out = not failed
-        if still:
+        if still or died:  # the group is broken: a rank is gone, or stuck waiting for one
             self._stop("timed out" if timed_out else "failed")
 
         parts = []
         if timed_out:
-            head = (f"the call ran past its timeout of {timeout:g} s; rank(s) {_join(still)} still running "
-                    "(a deadlock? a collective that not every rank called? Pass timeout=... for long work)")
+            parts.append(f"the call ran past its timeout of {timeout:g} s; rank(s) {_join(still)} still running "
+                         "(a deadlock? a collective that not every rank called? Pass timeout=... for long work)")
         else:
-            kinds = "; ".join(f"rank {r}: {_first_line(tracebacks[r])}" for r in failed)
-            head = f"rank(s) {_join(failed)} failed ({kinds})"
+            raised = sorted(errors)
+            if died:
+                parts.append(f"rank(s) {_join(sorted(died))} died ("
+                             + "; ".join(f"rank {r} {_signal_name(c)}" for r, c in sorted(died.items())) + ")")
+            if raised:
+                parts.append(f"rank(s) {_join(raised)} raised ("
+                             + "; ".join(f"rank {r}: {_short(_first_line(tracebacks[r]))}" for r in raised) + ")"
+                             + (" - in a collective, most likely because of the rank that died" if died else ""))
             if still:
-                head += f"; rank(s) {_join(still)} were still running, blocked (shown below) and were stopped"
-        parts.append(head)
-        for r in failed:
+                parts.append(f"rank(s) {_join(still)} were still running, blocked (shown below), and were stopped")
+            parts = ["; ".join(parts)]
+        # the ranks that died first: the others' errors are usually a consequence
+        for r in sorted(died) + sorted(errors):
             parts.append(f"\n--- rank {r} ---\n{tracebacks[r]}")
         for r in still:
             parts.append(f"\n--- rank {r}: still running, blocked here (most recent call last) ---\n"
                          f"{stacks.get(r, '  (stack not available)')}")
-        if still:
+        if still or died:
             parts.append("\nThe ranks were stopped; they restart on the next call (per-rank state is lost).")
         exc_type = RankTimeout if timed_out else RankError
         raise exc_type("\n".join(parts), failed=failed, tracebacks=tracebacks, stacks=stacks,
@@ -659,6 +672,10 @@ def _first_line(text: str) -> str:
     return last[-1].strip() if last else "failed"
 
 
+def _short(text: str, n: int = 160) -> str:
+    return text if len(text) <= n else text[:n - 3] + "..."
+
+
 def _rmtree(path) -> None:
     import shutil
 
@@ -699,11 +716,14 @@ def run(fn, *args, timeout: float | None = None, live: bool = False, echo: bool 
 
 
 def shutdown() -> None:
-    """Stop the notebook's pool (and every other Cluster this process started)."""
+    """Stop the notebook's pool: its processes are gone when this returns."""
     global _default
-    for cl in list(_live_clusters):
-        cl.close()
+    if _default is not None:
+        _default.close()
     _default = None
 
 
-atexit.register(shutdown)
+@atexit.register
+def _close_all() -> None:
+    for cl in list(_live_clusters):
+        cl.close()
