@@ -54,10 +54,11 @@ class RankError(RuntimeError):
     """One or more ranks failed during a call. The message has each failed rank's traceback and the
     stack of every rank that was still running; the same parts are attributes."""
 
-    def __init__(self, message, *, failed=(), tracebacks=None, stacks=None, exit_codes=None,
+    def __init__(self, message, *, failed=(), blocked=(), tracebacks=None, stacks=None, exit_codes=None,
                  stdout=None, stderr=None):
         super().__init__(message)
         self.failed = list(failed)            # ranks that raised or died
+        self.blocked = list(blocked)          # ranks still running when the call was given up
         self.tracebacks = tracebacks or {}    # rank -> formatted remote traceback
         self.stacks = stacks or {}            # rank -> where a still-running rank was blocked
         self.exit_codes = exit_codes or {}    # rank -> exit status of a rank that died
@@ -129,8 +130,16 @@ def _format_frame(filename: str, lineno: int, name: str, line: str = "") -> str:
     # The rank has no copy of the notebook's cells; this process does (IPython keeps them in linecache).
     line = (linecache.getline(filename, lineno) or line).strip()
     cell = _cell_name(filename)
-    where = f"  {cell}, line {lineno}, in {name}" if cell else f'  File "{filename}", line {lineno}, in {name}'
+    where = f"  {cell}, line {lineno}, in {name}" if cell else f'  File "{_short_path(filename)}", line {lineno}, in {name}'
     return where + (f"\n    {line}" if line else "")
+
+
+def _short_path(filename: str) -> str:
+    """`.../site-packages/torch/distributed/x.py` rather than the full path of the environment."""
+    for marker in ("site-packages" + os.sep, "dist-packages" + os.sep):
+        if marker in filename:
+            return "..." + os.sep + filename.split(marker, 1)[1]
+    return filename
 
 
 def _format_chain(chain: list) -> str:
@@ -602,7 +611,7 @@ class Cluster:
         if still or died:
             parts.append("\nThe ranks were stopped; they restart on the next call (per-rank state is lost).")
         exc_type = RankTimeout if timed_out else RankError
-        raise exc_type("\n".join(parts), failed=failed, tracebacks=tracebacks, stacks=stacks,
+        raise exc_type("\n".join(parts), failed=failed, blocked=still, tracebacks=tracebacks, stacks=stacks,
                        exit_codes=died, stdout=stdout, stderr=stderr)
 
     def _split_output(self, marker: bytes):

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Run every test: the unit and fault tests of zeronb, the real-kernel tests, the book build, and
+# every notebook as a test (nbval: the check cells' asserts are the test).
+#   bash scripts/test.sh               all of it
+#   bash scripts/test.sh -k cluster    extra arguments go to pytest
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bash scripts/setup.sh
+VENV=${ZERONB_VENV:-.venv}
+
+# A hung call fails in two minutes, not the thirty of gloo's own timeout.
+export ZERONB_TIMEOUT=${ZERONB_TIMEOUT:-120}
+# -v: the log shows every test and every notebook cell that ran.
+exec "$VENV/bin/python" -m pytest -v -p no:cacheprovider --timeout 900 \
+  --nbval-lax --nbval-current-env tests notebooks "$@"

@@ -1,0 +1,55 @@
+"""The rendered book builds from scratch with warnings as errors, running every chapter."""
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _toc_files():
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    files = [toc["root"]]
+    for part in toc.get("parts", []):
+        files += [c["file"] for c in part["chapters"]]
+    return files
+
+
+def test_every_notebook_is_in_the_toc_and_stripped():
+    import nbformat
+
+    listed = set(_toc_files())
+    for nb_path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        assert f"notebooks/{nb_path.stem}" in listed, f"{nb_path.name} is not in _toc.yml"
+        nb = nbformat.read(nb_path, 4)
+        assert nb.metadata["kernelspec"]["name"] == "python3"
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert not cell.outputs and cell.execution_count is None, f"{nb_path.name}: stored outputs"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = tmp_path_factory.mktemp("book")
+    jb = pathlib.Path(sys.executable).with_name("jupyter-book")
+    p = subprocess.run([str(jb), "build", str(ROOT), "--path-output", str(out), "-W", "-n", "--keep-going"],
+                       capture_output=True, text=True, timeout=1800)
+    assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-5000:]
+    return out / "_build" / "html"
+
+
+def test_book_builds_every_page(built):
+    for f in _toc_files():
+        assert (built / f"{f}.html").exists(), f
+
+
+def test_chapter_pages_show_real_output(built):
+    html = (built / "notebooks" / "01_ranks.html").read_text()
+    assert "[rank 0]" in html and "[rank 3]" in html   # output printed by the ranks themselves
+    assert "RankError" in html                           # the failing cell rendered its error
+    assert "{glue" not in html and "glue:text" not in html  # every glued number was filled in
+    text = re.sub(r"<[^>]+>", "", html)
+    assert re.search(r"Starting the pool took \d+\.\d seconds", text)
