@@ -1,0 +1,256 @@
+"""Ring reduce-scatter, all-gather and all-reduce, built from torch.distributed send and receive.
+
+The ring (Patarasuk & Yuan 2009; the "Baidu ring" of deep learning): the N ranks stand in a
+circle, each sends only to the next rank and receives only from the previous one, and the tensor
+is cut into N equal chunks (zeronb.shards). One step moves one chunk along every link at once.
+
+reduce-scatter, N-1 steps: at step s rank r sends chunk (r-s-1) mod N and receives chunk
+    (r-s-2) mod N, which it adds to its own copy. Each chunk travels round the circle collecting
+    one term per rank; the last addition, at step N-2, lands chunk r on rank r, complete.
+all-gather, N-1 steps: at step s rank r sends chunk (r-s) mod N - its own at step 0, then the one
+    it just received - and stores chunk (r-s-1) mod N. After N-1 steps every rank has every chunk.
+all-reduce = reduce-scatter + all-gather.
+
+Each rank sends N-1 chunks per pass, (N-1)/N of the tensor, whatever N is: 2(N-1)/N*S for an
+all-reduce. That is the least any algorithm can send (the bandwidth-optimal bound), and it is why
+rings scale: the bytes per rank do not grow with N (the number of steps, and so the latency, does).
+
+Two details that matter in practice:
+- Each step's send and receive are issued together (`batch_isend_irecv`). A rank that first
+  *sends* and only then receives waits for its neighbour to receive, who waits for its neighbour,
+  all round the circle: a deadlock, as soon as messages are too big to be buffered (NCCL buffers
+  nothing). Chapter 4 shows it.
+- Chunks are cut into segments, and a segment is forwarded as soon as it has arrived (and been
+  added): the addition overlaps the transfer of the next segment, and the next step starts before
+  this one has finished - a pipeline, as NCCL does it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import ledger
+from .shards import bounds, chunk_size, padded_numel, shard_numel
+
+SEGMENT_BYTES = 1 << 20  # pipeline granularity; small enough to overlap, big enough to amortise a send
+
+
+def _world() -> tuple[int, int]:
+    if not dist.is_initialized():
+        raise RuntimeError("no process group: call this inside a rank (zeronb.run, %%ranks, or torchrun)")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _check_same(numel: int, dtype: torch.dtype, device, what: str) -> None:
+    """Every rank must pass the same size and dtype, or a ring would hang waiting for bytes that
+    never come. One tiny all-gather of (numel, dtype) lets *every* rank see a mismatch and raise."""
+    rank, n = _world()
+    code = list(_DTYPES).index(dtype) if dtype in _DTYPES else -1
+    mine = torch.tensor([numel, code], dtype=torch.int64, device=device)
+    everyone = torch.empty(2 * n, dtype=torch.int64, device=device)
+    with ledger.muted():  # bookkeeping, not part of the algorithm's traffic
+        from .backend import all_gather_single
+        all_gather_single(everyone, mine)
+    pairs = everyone.view(n, 2).tolist()
+    if any(p != pairs[0] for p in pairs):
+        listing = ", ".join(f"rank {r}: {p[0]} x {_DTYPES[p[1]] if p[1] >= 0 else '?'}"
+                            for r, p in enumerate(pairs))
+        raise ValueError(f"{what}: every rank must pass the same number of elements and dtype; got {listing}")
+
+
+_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32,
+           torch.int8, torch.uint8]
+
+
+def _segments(chunk_numel: int, element_size: int, segment_bytes: int) -> list[tuple[int, int]]:
+    per = max(1, segment_bytes // element_size)
+    return [(a, min(a + per, chunk_numel)) for a in range(0, chunk_numel, per)] or [(0, 0)]
+
+
+def _ring_pass(buf: torch.Tensor, reduce: bool, op: str, segment_bytes: int = SEGMENT_BYTES) -> None:
+    """The N-1 steps of one ring pass, in place, over a flat buffer of N equal chunks.
+
+    reduce=True: reduce-scatter (rank r ends with the sum of chunk r).
+    reduce=False: all-gather (rank r starts with chunk r, ends with all of them).
+    """
+    rank, n = _world()
+    if n == 1 or buf.numel() == 0:
+        return
+    chunks = buf.view(n, -1)
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    if reduce:  # see the module docstring for why these indices
+        send_chunk, recv_chunk = (lambda s: (rank - s - 1) % n), (lambda s: (rank - s - 2) % n)
+        scratch = torch.empty_like(chunks[0])  # incoming partial sums land here, then get added
+    else:
+        send_chunk, recv_chunk = (lambda s: (rank - s) % n), (lambda s: (rank - s - 1) % n)
+    segments = _segments(chunks.shape[1], buf.element_size(), segment_bytes)
+    trace = ledger.recording()
+    started = {}
+
+    def post(step, k):
+        a, b = segments[k]
+        incoming = scratch[a:b] if reduce else chunks[recv_chunk(step), a:b]
+        if trace and k == 0:
+            started[step] = ledger.now()
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend, chunks[send_chunk(step), a:b], nxt),
+                                       dist.P2POp(dist.irecv, incoming, prv)])
+
+    pending = [post(0, k) for k in range(len(segments))]
+    for step in range(n - 1):
+        for k, (a, b) in enumerate(segments):
+            for work in pending[k]:
+                work.wait()
+            if reduce:
+                chunks[recv_chunk(step), a:b] += scratch[a:b]
+            if step + 1 < n - 1:  # forward this segment at once: the pipeline
+                pending[k] = post(step + 1, k)
+        if trace:
+            end, nbytes = ledger.now(), chunks.shape[1] * buf.element_size()
+            phase = "reduce-scatter" if reduce else "all-gather"
+            ledger.record(op=op, phase=phase, kind="send", step=step, src=rank, dst=nxt,
+                          chunk=send_chunk(step), bytes=nbytes, start=started[step], end=end)
+            ledger.record(op=op, phase=phase, kind="recv", step=step, src=prv, dst=rank,
+                          chunk=recv_chunk(step), bytes=nbytes, start=started[step], end=end)
+
+
+def _padded_flat(tensor: torch.Tensor, n: int) -> torch.Tensor:
+    flat = tensor.detach().reshape(-1)
+    buf = torch.zeros(padded_numel(flat.numel(), n), dtype=flat.dtype, device=flat.device)
+    buf[:flat.numel()] = flat
+    return buf
+
+
+def _check_float(tensor: torch.Tensor, what: str, average: bool) -> None:
+    if average and not tensor.is_floating_point():
+        raise TypeError(f"{what}(average=True) needs a floating-point tensor, not {tensor.dtype}")
+
+
+def ring_reduce_scatter(tensor: torch.Tensor, *, average: bool = False,
+                        segment_bytes: int = SEGMENT_BYTES) -> torch.Tensor:
+    """This rank's shard (zeronb.shards.bounds) of the element-wise sum over all ranks of `tensor`
+    (of any shape, read flat). `average=True` divides by the world size. `tensor` is not changed."""
+    _check_float(tensor, "ring_reduce_scatter", average)
+    rank, n = _world()
+    _check_same(tensor.numel(), tensor.dtype, tensor.device, "ring_reduce_scatter")
+    buf = _padded_flat(tensor, n)
+    with ledger.scope("ring_reduce_scatter"):
+        _ring_pass(buf, reduce=True, op="ring_reduce_scatter", segment_bytes=segment_bytes)
+    start, stop = bounds(tensor.numel(), n, rank)
+    shard = buf[start:stop].clone()  # a copy: a view would keep the whole padded buffer alive
+    return shard.div_(n) if average else shard
+
+
+def ring_all_gather(shard: torch.Tensor, numel: int, *, segment_bytes: int = SEGMENT_BYTES) -> torch.Tensor:
+    """The full flat tensor of `numel` elements, from every rank's shard (zeronb.shards.bounds)."""
+    rank, n = _world()
+    want = shard_numel(numel, n, rank)
+    if shard.numel() != want:
+        raise ValueError(f"ring_all_gather on rank {rank}: a tensor of {numel} elements over {n} ranks gives "
+                         f"rank {rank} a shard of {want} elements (zeronb.shards.bounds), not {shard.numel()}")
+    _check_same(numel, shard.dtype, shard.device, "ring_all_gather")
+    c = chunk_size(numel, n)
+    buf = torch.zeros(c * n, dtype=shard.dtype, device=shard.device)
+    buf[rank * c: rank * c + want] = shard.reshape(-1)
+    with ledger.scope("ring_all_gather"):
+        _ring_pass(buf, reduce=False, op="ring_all_gather", segment_bytes=segment_bytes)
+    return buf[:numel]
+
+
+def ring_all_reduce(tensor: torch.Tensor, *, average: bool = False,
+                    segment_bytes: int = SEGMENT_BYTES) -> torch.Tensor:
+    """In place: `tensor` becomes the element-wise sum (or average) over all ranks. Returns it.
+    A reduce-scatter followed by an all-gather, on one padded buffer."""
+    _check_float(tensor, "ring_all_reduce", average)
+    rank, n = _world()
+    _check_same(tensor.numel(), tensor.dtype, tensor.device, "ring_all_reduce")
+    buf = _padded_flat(tensor, n)
+    with ledger.scope("ring_all_reduce"):
+        _ring_pass(buf, reduce=True, op="ring_all_reduce", segment_bytes=segment_bytes)
+        if average:
+            buf.view(n, -1)[rank].div_(n)
+        _ring_pass(buf, reduce=False, op="ring_all_reduce", segment_bytes=segment_bytes)
+    tensor.copy_(buf[:tensor.numel()].view_as(tensor))
+    return tensor
+
+
+# --- the naive versions, for comparison: everything goes through one rank ----------------------
+
+def naive_all_reduce(tensor: torch.Tensor, *, root: int = 0) -> torch.Tensor:
+    """In place, through one root: every rank sends its whole tensor to the root, which adds them
+    up and sends the sum back to every rank. Correct, but the root sends (N-1)*S bytes and receives
+    as much, while the others sit idle: its link is the bottleneck, and it gets worse with N."""
+    rank, n = _world()
+    _check_same(tensor.numel(), tensor.dtype, tensor.device, "naive_all_reduce")
+    flat = tensor.detach().view(-1) if tensor.is_contiguous() else tensor.detach().reshape(-1).clone()
+    with ledger.scope("naive_all_reduce"):
+        if rank == root:
+            inbox = [torch.empty_like(flat) for _ in range(n - 1)]
+            others = [r for r in range(n) if r != root]
+            for w in [dist.irecv(buf, src) for buf, src in zip(inbox, others)]:
+                w.wait()
+            for buf in inbox:
+                flat += buf
+            for w in [dist.isend(flat, dst) for dst in others]:
+                w.wait()
+        elif n > 1:
+            dist.send(flat, root)
+            dist.recv(flat, root)
+    if not tensor.is_contiguous():
+        tensor.copy_(flat.view_as(tensor))
+    return tensor
+
+
+def naive_reduce_scatter(tensor: torch.Tensor, *, root: int = 0) -> torch.Tensor:
+    """Through one root: all tensors to the root, which adds them and sends each rank its shard."""
+    rank, n = _world()
+    _check_same(tensor.numel(), tensor.dtype, tensor.device, "naive_reduce_scatter")
+    total = tensor.detach().reshape(-1).clone()
+    with ledger.scope("naive_reduce_scatter"):
+        if rank == root:
+            inbox = [torch.empty_like(total) for _ in range(n - 1)]
+            others = [r for r in range(n) if r != root]
+            for w in [dist.irecv(buf, src) for buf, src in zip(inbox, others)]:
+                w.wait()
+            for buf in inbox:
+                total += buf
+            sends = []
+            for dst in others:
+                a, b = bounds(total.numel(), n, dst)
+                if b > a:  # a rank that owns nothing gets nothing
+                    sends.append(dist.isend(total[a:b].clone(), dst))
+            for w in sends:
+                w.wait()
+            a, b = bounds(total.numel(), n, rank)
+            return total[a:b].clone()
+        dist.send(total, root)
+        a, b = bounds(total.numel(), n, rank)
+        shard = torch.empty(b - a, dtype=total.dtype, device=total.device)
+        if b > a:
+            dist.recv(shard, root)
+        return shard
+
+
+def naive_all_gather(shard: torch.Tensor, numel: int, *, root: int = 0) -> torch.Tensor:
+    """Through one root: every shard to the root, which assembles the tensor and sends it to all."""
+    rank, n = _world()
+    _check_same(numel, shard.dtype, shard.device, "naive_all_gather")
+    full = torch.empty(numel, dtype=shard.dtype, device=shard.device)
+    a, b = bounds(numel, n, rank)
+    full[a:b] = shard.reshape(-1)
+    with ledger.scope("naive_all_gather"):
+        if rank == root:
+            recvs = []
+            for src in range(n):
+                if src != root:
+                    sa, sb = bounds(numel, n, src)
+                    if sb > sa:
+                        recvs.append(dist.irecv(full[sa:sb], src))
+            for w in recvs:
+                w.wait()
+            for w in [dist.isend(full, dst) for dst in range(n) if dst != root]:
+                w.wait()
+        elif n > 1:
+            if b > a:
+                dist.send(shard.reshape(-1).contiguous(), root)
+            dist.recv(full, root)
+    return full
