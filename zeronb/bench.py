@@ -1,4 +1,4 @@
-"""Benchmarks: `python -m zeronb.bench dispatch`.
+"""Benchmarks: `python -m zeronb.bench dispatch` and `python -m zeronb.bench collectives`.
 
 Figures are measured side by side in one run and printed as ratios, because this kind of machine
 (a couple of shared cores) is noisy: medians over many calls, alternatives interleaved.
@@ -75,13 +75,183 @@ def _print_dispatch(rows) -> None:
               f"{r['dispatch_p90_ms']:>6.2f}ms  {r['spawn_median_s']:>13.2f}s  {ratio:>15.0f}x")
 
 
+# --- collectives: nccl-tests style sweeps ------------------------------------------------------
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather")
+IMPLS = ("ring", "naive", "torch")
+SIZES = tuple(4 << (2 * i) << 10 for i in range(8))  # 4 KiB, 16 KiB, ..., 64 MiB
+
+
+def _time_collectives(nbytes: int, ops, impls, reps: int, segment_bytes: int) -> dict:
+    """Inside a rank: time each (op, impl) on a float32 tensor of `nbytes`, `reps` times,
+    interleaved. A time is the slowest rank's (a collective is done when every rank is done)."""
+    import torch
+    import torch.distributed as dist
+
+    from . import collectives as C
+    from .backend import all_gather_single, device, reduce_scatter_single
+    from .shards import bounds
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    numel = nbytes // 4
+    dev = device()
+    full = torch.randn(numel, device=dev)
+    a, b = bounds(numel, n, rank)
+    shard, out = full[a:b].clone(), torch.empty(numel, device=dev)
+    out_shard = torch.empty(b - a, device=dev)
+    calls = {
+        ("all_reduce", "ring"): lambda: C.ring_all_reduce(full, segment_bytes=segment_bytes),
+        ("all_reduce", "naive"): lambda: C.naive_all_reduce(full),
+        ("all_reduce", "torch"): lambda: dist.all_reduce(full),
+        ("reduce_scatter", "ring"): lambda: C.ring_reduce_scatter(full, segment_bytes=segment_bytes),
+        ("reduce_scatter", "naive"): lambda: C.naive_reduce_scatter(full),
+        ("reduce_scatter", "torch"): lambda: reduce_scatter_single(out_shard, full),
+        ("all_gather", "ring"): lambda: C.ring_all_gather(shard, numel, segment_bytes=segment_bytes),
+        ("all_gather", "naive"): lambda: C.naive_all_gather(shard, numel),
+        ("all_gather", "torch"): lambda: all_gather_single(out, shard),
+    }
+    if nbytes % (4 * n):
+        raise ValueError(f"sizes must divide evenly over {n} ranks (torch's single-tensor collectives need it)")
+    times = {(op, impl): [] for op in ops for impl in impls}
+    for rep in range(reps + 1):  # the first round warms up (connections, allocations)
+        order = list(times)
+        order = order[rep % len(order):] + order[:rep % len(order)]  # rotate: no fixed position
+        for key in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            calls[key]()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=dev)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if rep:
+                times[key].append(t.item())
+            full.normal_()  # keep values bounded across repeated in-place sums
+    return {f"{op}/{impl}": statistics.median(v) for (op, impl), v in times.items()}
+
+
+def memcpy_bandwidth(nbytes: int = 64 << 20, reps: int = 5) -> float:
+    """Bytes per second of one large tensor copy in this process: the physical bound here, since on
+    one machine every byte a collective moves is copied through memory (and loopback TCP copies it
+    twice: into the kernel and out again)."""
+    import torch
+
+    src, dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
+    dst.copy_(src)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        ts.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(ts)
+
+
+def fit_alpha_beta(sizes, seconds) -> tuple[float, float]:
+    """Least-squares fit of t = alpha + beta * S: alpha the latency (s), beta seconds per byte."""
+    import numpy as np
+
+    beta, alpha = np.polyfit(np.asarray(sizes, float), np.asarray(seconds, float), 1)
+    return float(alpha), float(beta)
+
+
+def collectives(world_sizes=(2, 4), sizes=SIZES, ops=OPS, impls=IMPLS, reps=5,
+                segment_bytes=None, progress=True) -> dict:
+    """The sweep: for each world size, size, op and impl, the median time, algbw and busbw.
+
+    Returns {"memcpy_Bps": ..., "rows": [{world_size, op, impl, bytes, seconds, algbw, busbw}]}.
+    algbw = S / t; busbw = algbw * bus_factor(op, N), the nccl-tests definitions, with S the full
+    tensor (the all-reduce's input, the reduce-scatter's input, the all-gather's output).
+    """
+    from tqdm.auto import tqdm
+
+    from .cluster import Cluster
+    from .collectives import SEGMENT_BYTES
+    from .ledger import bus_factor
+
+    rows = []
+    bar = tqdm(total=len(world_sizes) * len(sizes), desc="collectives sweep", disable=not progress)
+    memcpy = memcpy_bandwidth()
+    for n in world_sizes:
+        with Cluster(n, verbose=False) as c:
+            for nbytes in sizes:
+                r = max(3, min(reps * 4, int(reps * (4 << 20) / nbytes) or reps)) if nbytes < (4 << 20) else reps
+                res = c.run(_time_collectives, nbytes, ops, impls, r, segment_bytes or SEGMENT_BYTES,
+                            echo=False, timeout=600)[0]
+                for key, t in res.items():
+                    op, impl = key.split("/")
+                    rows.append({"world_size": n, "op": op, "impl": impl, "bytes": nbytes, "seconds": t,
+                                 "algbw": nbytes / t, "busbw": nbytes / t * bus_factor(op, n)})
+                bar.update(1)
+    bar.close()
+    return {"memcpy_Bps": memcpy, "rows": rows}
+
+
+def speedups(result, nbytes=16 << 20) -> list[dict]:
+    """Ring vs torch's built-in, at one size: time(torch) / time(ring), per world size and op."""
+    rows = result["rows"]
+    out = []
+    for n in sorted({r["world_size"] for r in rows}):
+        for op in OPS:
+            t = {r["impl"]: r["seconds"] for r in rows if r["world_size"] == n and r["op"] == op and r["bytes"] == nbytes}
+            if "ring" in t and "torch" in t:
+                out.append({"world_size": n, "op": op, "bytes": nbytes, "ring_s": t["ring"], "torch_s": t["torch"],
+                            "speedup": t["torch"] / t["ring"]})
+    return out
+
+
+def _human(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.3g} {unit}"
+        nbytes /= 1024
+
+
+def _print_collectives(result) -> None:
+    memcpy = result["memcpy_Bps"]
+    print(f"memcpy bandwidth (one 64 MiB copy, this machine): {memcpy / 1e9:.2f} GB/s")
+    rows = result["rows"]
+    for n in sorted({r["world_size"] for r in rows}):
+        for op in OPS:
+            print(f"\n{op}, {n} ranks      time (ms)                 busbw (GB/s)            busbw / memcpy")
+            print(f"{'size':>10}  " + "  ".join(f"{i:>7}" for i in IMPLS) + "   "
+                  + "  ".join(f"{i:>7}" for i in IMPLS) + "   " + "  ".join(f"{i:>6}" for i in IMPLS))
+            for nbytes in sorted({r["bytes"] for r in rows}):
+                sel = {r["impl"]: r for r in rows if r["world_size"] == n and r["op"] == op and r["bytes"] == nbytes}
+                print(f"{_human(nbytes):>10}  " + "  ".join(f"{sel[i]['seconds'] * 1e3:7.2f}" for i in IMPLS) + "   "
+                      + "  ".join(f"{sel[i]['busbw'] / 1e9:7.3f}" for i in IMPLS) + "   "
+                      + "  ".join(f"{sel[i]['busbw'] / memcpy:6.1%}" for i in IMPLS))
+            for impl in IMPLS:
+                pts = sorted((r["bytes"], r["seconds"]) for r in rows
+                             if r["world_size"] == n and r["op"] == op and r["impl"] == impl)
+                alpha, beta = fit_alpha_beta(*zip(*pts))
+                print(f"  alpha-beta fit, {impl:>5}: t = {alpha * 1e6:8.1f} us + S / ({1 / beta / 1e9:.3f} GB/s)")
+    print("\nring vs torch's built-in at 16 MiB (time(torch) / time(ring); > 1 means the ring is faster):")
+    for s in speedups(result):
+        print(f"  {s['world_size']} ranks  {s['op']:>14}: {s['speedup']:.2f}x  "
+              f"(ring {s['ring_s'] * 1e3:.1f} ms, torch {s['torch_s'] * 1e3:.1f} ms)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zeronb.bench", description=__doc__)
     sub = parser.add_subparsers(dest="what", required=True)
     p = sub.add_parser("dispatch", help="pool start, warm dispatch latency, and spawn-per-call, at 2 and 4 ranks")
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--spawns", type=int, default=3)
+    p = sub.add_parser("collectives", help="all-reduce / reduce-scatter / all-gather: ring vs naive vs torch")
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="bytes")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--segment-bytes", type=int, default=None)
+    p.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
+    if args.what == "collectives":
+        result = collectives(tuple(args.world_sizes), tuple(args.sizes), reps=args.reps,
+                             segment_bytes=args.segment_bytes)
+        _print_collectives(result)
+        if args.json:
+            import json
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
     if args.what == "dispatch":
         print(f"dispatch benchmark on {os.cpu_count()} CPU core(s); trivial call on every rank")
         _print_dispatch(dispatch(calls=args.calls, spawns=args.spawns))

@@ -26,6 +26,8 @@ Two details that matter in practice:
 """
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 import torch.distributed as dist
 
@@ -64,60 +66,98 @@ _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.in
 
 def _segments(chunk_numel: int, element_size: int, segment_bytes: int) -> list[tuple[int, int]]:
     per = max(1, segment_bytes // element_size)
-    return [(a, min(a + per, chunk_numel)) for a in range(0, chunk_numel, per)] or [(0, 0)]
+    return [(a, min(a + per, chunk_numel)) for a in range(0, chunk_numel, per)]
 
 
-def _ring_pass(buf: torch.Tensor, reduce: bool, op: str, segment_bytes: int = SEGMENT_BYTES) -> None:
-    """The N-1 steps of one ring pass, in place, over a flat buffer of N equal chunks.
+class _Step(NamedTuple):
+    """One step of a ring, for this rank: send `send` to the next rank, receive into `recv` from the
+    previous one; then, in a reduce step, `out = add_to + recv` (divided by `divide` if set)."""
+    phase: str
+    send: torch.Tensor
+    recv: torch.Tensor
+    send_chunk: int
+    recv_chunk: int
+    add_to: Optional[torch.Tensor] = None
+    out: Optional[torch.Tensor] = None
+    divide: int = 0
 
-    reduce=True: reduce-scatter (rank r ends with the sum of chunk r).
-    reduce=False: all-gather (rank r starts with chunk r, ends with all of them).
-    """
+
+def _reduce_scatter_steps(src, dst, scratch, acc, out_shard, average):
+    """The N-1 steps of a ring reduce-scatter: rank r sends chunk (r-s-1) and receives chunk (r-s-2)
+    at step s, adding its own copy of that chunk to what arrived, and ends with chunk r complete.
+
+    src: the N input chunks (read); scratch: where incoming partial sums land. In place (dst is
+    src): the sums overwrite the input. Out of place: they go to `acc`, one chunk, and the last one
+    to `out_shard` - no copy of the whole input is ever made."""
     rank, n = _world()
-    if n == 1 or buf.numel() == 0:
+    steps = []
+    for s in range(n - 1):
+        send_c, recv_c = (rank - s - 1) % n, (rank - s - 2) % n
+        last = s == n - 2
+        if dst is not None:
+            out = dst[recv_c]
+        else:
+            out = out_shard if last else acc
+        send = src[send_c] if s == 0 else steps[-1].out  # forward what was just summed
+        steps.append(_Step("reduce-scatter", send, scratch, send_c, recv_c, add_to=src[recv_c], out=out,
+                           divide=n if (last and average) else 0))
+    return steps
+
+
+def _all_gather_steps(chunks):
+    """The N-1 steps of a ring all-gather: rank r sends chunk (r-s) - its own first, then each one it
+    has just received - and stores chunk (r-s-1) at step s."""
+    rank, n = _world()
+    return [_Step("all-gather", chunks[(rank - s) % n], chunks[(rank - s - 1) % n], (rank - s) % n,
+                  (rank - s - 1) % n) for s in range(n - 1)]
+
+
+def _run_ring(steps, op: str, segment_bytes: int) -> None:
+    """Run the steps as a pipeline: each chunk is cut into segments, and a segment is forwarded
+    (step s+1) as soon as it has arrived and been added (step s), while later segments are still
+    on the wire. Each step's send and receive are posted together (batch_isend_irecv)."""
+    if not steps or steps[0].recv.numel() == 0:
         return
-    chunks = buf.view(n, -1)
+    rank, n = _world()
     nxt, prv = (rank + 1) % n, (rank - 1) % n
-    if reduce:  # see the module docstring for why these indices
-        send_chunk, recv_chunk = (lambda s: (rank - s - 1) % n), (lambda s: (rank - s - 2) % n)
-        scratch = torch.empty_like(chunks[0])  # incoming partial sums land here, then get added
-    else:
-        send_chunk, recv_chunk = (lambda s: (rank - s) % n), (lambda s: (rank - s - 1) % n)
-    segments = _segments(chunks.shape[1], buf.element_size(), segment_bytes)
+    segments = _segments(steps[0].recv.numel(), steps[0].recv.element_size(), segment_bytes)
     trace = ledger.recording()
     started = {}
 
-    def post(step, k):
-        a, b = segments[k]
-        incoming = scratch[a:b] if reduce else chunks[recv_chunk(step), a:b]
-        if trace and k == 0:
-            started[step] = ledger.now()
-        return dist.batch_isend_irecv([dist.P2POp(dist.isend, chunks[send_chunk(step), a:b], nxt),
-                                       dist.P2POp(dist.irecv, incoming, prv)])
+    def post(i, a, b):
+        if trace and i not in started:
+            started[i] = ledger.now()
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend, steps[i].send[a:b], nxt),
+                                       dist.P2POp(dist.irecv, steps[i].recv[a:b], prv)])
 
-    pending = [post(0, k) for k in range(len(segments))]
-    for step in range(n - 1):
+    pending = [post(0, a, b) for a, b in segments]
+    for i, step in enumerate(steps):
         for k, (a, b) in enumerate(segments):
             for work in pending[k]:
                 work.wait()
-            if reduce:
-                chunks[recv_chunk(step), a:b] += scratch[a:b]
-            if step + 1 < n - 1:  # forward this segment at once: the pipeline
-                pending[k] = post(step + 1, k)
+            if step.add_to is not None:  # the reduction, on this segment only
+                torch.add(step.add_to[a:b], step.recv[a:b], out=step.out[a:b])
+                if step.divide:
+                    step.out[a:b].div_(step.divide)
+            if i + 1 < len(steps):
+                pending[k] = post(i + 1, a, b)
         if trace:
-            end, nbytes = ledger.now(), chunks.shape[1] * buf.element_size()
-            phase = "reduce-scatter" if reduce else "all-gather"
-            ledger.record(op=op, phase=phase, kind="send", step=step, src=rank, dst=nxt,
-                          chunk=send_chunk(step), bytes=nbytes, start=started[step], end=end)
-            ledger.record(op=op, phase=phase, kind="recv", step=step, src=prv, dst=rank,
-                          chunk=recv_chunk(step), bytes=nbytes, start=started[step], end=end)
+            in_phase = sum(1 for earlier in steps[:i] if earlier.phase == step.phase)  # steps restart per phase
+            nbytes, end = step.recv.numel() * step.recv.element_size(), ledger.now()
+            common = dict(op=op, phase=step.phase, step=in_phase, bytes=nbytes, start=started[i], end=end)
+            ledger.record(kind="send", src=rank, dst=nxt, chunk=step.send_chunk, **common)
+            ledger.record(kind="recv", src=prv, dst=rank, chunk=step.recv_chunk, **common)
 
 
-def _padded_flat(tensor: torch.Tensor, n: int) -> torch.Tensor:
+def _flat_chunks(tensor: torch.Tensor, n: int, writable: bool) -> torch.Tensor:
+    """The tensor as N equal chunks (an (N, chunk) view). A view of the tensor itself when its
+    size divides evenly; otherwise a zero-padded copy (zeronb.shards' padding rule)."""
     flat = tensor.detach().reshape(-1)
+    if flat.numel() % n == 0 and (flat.data_ptr() == tensor.data_ptr() or not writable):
+        return flat.view(n, -1)
     buf = torch.zeros(padded_numel(flat.numel(), n), dtype=flat.dtype, device=flat.device)
     buf[:flat.numel()] = flat
-    return buf
+    return buf.view(n, -1)
 
 
 def _check_float(tensor: torch.Tensor, what: str, average: bool) -> None:
@@ -132,12 +172,15 @@ def ring_reduce_scatter(tensor: torch.Tensor, *, average: bool = False,
     _check_float(tensor, "ring_reduce_scatter", average)
     rank, n = _world()
     _check_same(tensor.numel(), tensor.dtype, tensor.device, "ring_reduce_scatter")
-    buf = _padded_flat(tensor, n)
-    with ledger.scope("ring_reduce_scatter"):
-        _ring_pass(buf, reduce=True, op="ring_reduce_scatter", segment_bytes=segment_bytes)
+    src = _flat_chunks(tensor, n, writable=False)
+    shard = src[rank].clone()  # world size 1: the sum of one tensor is itself
+    if n > 1:
+        scratch, acc = torch.empty_like(src[0]), torch.empty_like(src[0])
+        with ledger.scope("ring_reduce_scatter"):
+            _run_ring(_reduce_scatter_steps(src, None, scratch, acc, shard, average),
+                      "ring_reduce_scatter", segment_bytes)
     start, stop = bounds(tensor.numel(), n, rank)
-    shard = buf[start:stop].clone()  # a copy: a view would keep the whole padded buffer alive
-    return shard.div_(n) if average else shard
+    return shard[:stop - start]
 
 
 def ring_all_gather(shard: torch.Tensor, numel: int, *, segment_bytes: int = SEGMENT_BYTES) -> torch.Tensor:
@@ -149,27 +192,30 @@ def ring_all_gather(shard: torch.Tensor, numel: int, *, segment_bytes: int = SEG
                          f"rank {rank} a shard of {want} elements (zeronb.shards.bounds), not {shard.numel()}")
     _check_same(numel, shard.dtype, shard.device, "ring_all_gather")
     c = chunk_size(numel, n)
-    buf = torch.zeros(c * n, dtype=shard.dtype, device=shard.device)
-    buf[rank * c: rank * c + want] = shard.reshape(-1)
+    chunks = torch.zeros(n, c, dtype=shard.dtype, device=shard.device)
+    chunks[rank, :want] = shard.reshape(-1)
     with ledger.scope("ring_all_gather"):
-        _ring_pass(buf, reduce=False, op="ring_all_gather", segment_bytes=segment_bytes)
-    return buf[:numel]
+        _run_ring(_all_gather_steps(chunks), "ring_all_gather", segment_bytes)
+    return chunks.view(-1)[:numel]
 
 
 def ring_all_reduce(tensor: torch.Tensor, *, average: bool = False,
                     segment_bytes: int = SEGMENT_BYTES) -> torch.Tensor:
     """In place: `tensor` becomes the element-wise sum (or average) over all ranks. Returns it.
-    A reduce-scatter followed by an all-gather, on one padded buffer."""
+    A reduce-scatter then an all-gather, run as one pipeline: a segment of this rank's chunk sets
+    off on the all-gather as soon as its sum is complete."""
     _check_float(tensor, "ring_all_reduce", average)
     rank, n = _world()
     _check_same(tensor.numel(), tensor.dtype, tensor.device, "ring_all_reduce")
-    buf = _padded_flat(tensor, n)
+    if n == 1 or tensor.numel() == 0:
+        return tensor
+    chunks = _flat_chunks(tensor, n, writable=True)
+    scratch = torch.empty_like(chunks[0])
     with ledger.scope("ring_all_reduce"):
-        _ring_pass(buf, reduce=True, op="ring_all_reduce", segment_bytes=segment_bytes)
-        if average:
-            buf.view(n, -1)[rank].div_(n)
-        _ring_pass(buf, reduce=False, op="ring_all_reduce", segment_bytes=segment_bytes)
-    tensor.copy_(buf[:tensor.numel()].view_as(tensor))
+        steps = _reduce_scatter_steps(chunks, chunks, scratch, None, None, average) + _all_gather_steps(chunks)
+        _run_ring(steps, "ring_all_reduce", segment_bytes)
+    if chunks.data_ptr() != tensor.data_ptr():  # worked on a padded copy
+        tensor.copy_(chunks.view(-1)[:tensor.numel()].view_as(tensor))
     return tensor
 
 

@@ -1,0 +1,163 @@
+"""Ring and naive collectives against torch.distributed's own, on real gloo ranks."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from zeronb import Cluster, RankError
+
+SIZES = (1, 5, 1024, 49152, 1_000_003)
+DTYPES = (torch.float32, torch.float64)
+
+
+def _parity(sizes, dtypes, segment_bytes):
+    from zeronb import collectives as C
+    from zeronb.backend import all_gather_single
+    from zeronb.shards import bounds, chunk_size
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = []
+    for numel in sizes:
+        for dtype in dtypes:
+            g = torch.Generator().manual_seed(1000 * rank + numel)
+            x = torch.randn(numel, generator=g, dtype=torch.float64).to(dtype)
+            ref = x.clone()
+            dist.all_reduce(ref)
+            a, b = bounds(numel, n, rank)
+            ring_ar = C.ring_all_reduce(x.clone(), segment_bytes=segment_bytes)
+            ring_avg = C.ring_all_reduce(x.clone(), average=True, segment_bytes=segment_bytes)
+            ring_rs = C.ring_reduce_scatter(x, segment_bytes=segment_bytes)
+            naive_ar = C.naive_all_reduce(x.clone())
+            naive_rs = C.naive_reduce_scatter(x)
+            # all-gather: exact; reference from torch's all-gather on padded chunks
+            c = chunk_size(numel, n)
+            mine = torch.zeros(c, dtype=dtype)
+            mine[:b - a] = x[a:b]
+            gathered = torch.empty(c * n, dtype=dtype)
+            all_gather_single(gathered, mine)
+            ref_ag = torch.cat([gathered[r * c: r * c + (min((r + 1) * c, numel) - min(r * c, numel))]
+                                for r in range(n)])
+            ring_ag = C.ring_all_gather(x[a:b].clone(), numel, segment_bytes=segment_bytes)
+            naive_ag = C.naive_all_gather(x[a:b].clone(), numel)
+            scale = ref.abs().max().item() if numel else 1.0
+            out.append({
+                "numel": numel, "dtype": str(dtype),
+                "ar": (ring_ar - ref).abs().max().item() / scale,
+                "avg": (ring_avg - ref / n).abs().max().item() / scale,
+                "rs": (ring_rs - ref[a:b]).abs().max().item() / scale if b > a else 0.0,
+                "rs_len": ring_rs.numel() == b - a,
+                "naive_ar": (naive_ar - ref).abs().max().item() / scale,
+                "naive_rs": (naive_rs - ref[a:b]).abs().max().item() / scale if b > a else 0.0,
+                "ag_exact": torch.equal(ring_ag, ref_ag) and torch.equal(naive_ag, ref_ag),
+            })
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_parity_with_torch_distributed(n):
+    # small segments, so that the pipeline (several segments per chunk) is exercised too
+    with Cluster(n, verbose=False) as c:
+        res = c.run(_parity, SIZES, DTYPES, 64 << 10, echo=False, timeout=300)
+    for rank_rows in res:
+        for row in rank_rows:
+            tol = 1e-6 if row["dtype"] == "torch.float32" else 1e-14  # summation order only
+            for key in ("ar", "avg", "rs", "naive_ar", "naive_rs"):
+                assert row[key] <= tol, row
+            assert row["rs_len"] and row["ag_exact"], row
+
+
+def _bfloat16():
+    from zeronb.collectives import ring_all_reduce
+
+    x = torch.full((1000,), float(dist.get_rank() + 1), dtype=torch.bfloat16)
+    return ring_all_reduce(x).unique().tolist()
+
+
+def test_bfloat16():
+    with Cluster(4, verbose=False) as c:
+        assert c.run(_bfloat16, echo=False) == [[10.0]] * 4  # small integers: exact in bfloat16
+
+
+def _ledger_bytes(numel, dtype):
+    from zeronb import collectives as C
+    from zeronb.backend import all_gather_single, reduce_scatter_single
+    from zeronb.ledger import CommLedger
+    from zeronb.shards import bounds
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    x = torch.ones(numel, dtype=dtype)
+    a, b = bounds(numel, n, rank)
+    out = {}
+    for name, call in {
+        "ring_all_reduce": lambda: C.ring_all_reduce(x),
+        "ring_reduce_scatter": lambda: C.ring_reduce_scatter(x),
+        "ring_all_gather": lambda: C.ring_all_gather(x[a:b].clone(), numel),
+        "all_reduce": lambda: dist.all_reduce(x),
+        "reduce_scatter": lambda: reduce_scatter_single(torch.empty(numel // n, dtype=dtype), x),
+        "all_gather": lambda: all_gather_single(torch.empty(numel, dtype=dtype), x[a:b].clone()),
+        "broadcast": lambda: dist.broadcast(x, 0),
+        "naive_all_reduce": lambda: C.naive_all_reduce(x),
+    }.items():
+        with CommLedger() as ledger:
+            call()
+        out[name] = dict(ledger.by_op)
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ledger_bytes_are_exact(n):
+    numel, elem = 12 * 1024, 4  # divisible by 2, 3 and 4
+    S = numel * elem
+    with Cluster(n, verbose=False) as c:
+        res = c.run(_ledger_bytes, numel, torch.float32, echo=False)
+    for rank, got in enumerate(res):
+        assert got["ring_all_reduce"] == {"ring_all_reduce": 2 * (n - 1) * S // n}
+        assert got["ring_reduce_scatter"] == {"ring_reduce_scatter": (n - 1) * S // n}
+        assert got["ring_all_gather"] == {"ring_all_gather": (n - 1) * S // n}
+        assert got["all_reduce"] == {"all_reduce": 2 * (n - 1) * S // n}
+        assert got["reduce_scatter"] == {"reduce_scatter": (n - 1) * S // n}
+        assert got["all_gather"] == {"all_gather": (n - 1) * S // n}
+        assert got["broadcast"] == {"broadcast": S}
+        # the root sends the sum to each other rank; the others send their tensor once
+        assert got["naive_all_reduce"] == {"naive_all_reduce": (n - 1) * S if rank == 0 else S}
+
+
+def _mismatched():
+    from zeronb.collectives import ring_all_reduce
+
+    return ring_all_reduce(torch.ones(10 + dist.get_rank()))
+
+
+def test_mismatched_sizes_raise_on_every_rank_instead_of_hanging():
+    with Cluster(3, verbose=False) as c:
+        with pytest.raises(RankError) as e:
+            c.run(_mismatched, echo=False, timeout=30)
+        assert e.value.failed == [0, 1, 2] and not e.value.blocked
+        assert "rank 0: 10 x torch.float32, rank 1: 11 x torch.float32, rank 2: 12" in str(e.value)
+        assert c.run(lambda: 1, echo=False) == [1, 1, 1]  # the pool needed no restart
+
+
+def _bad_inputs():
+    from zeronb import collectives as C
+
+    errors = []
+    for call in (lambda: C.ring_all_gather(torch.ones(3), 10),            # wrong shard size
+                 lambda: C.ring_all_reduce(torch.ones(4, dtype=torch.int64), average=True)):
+        try:
+            call()
+        except (ValueError, TypeError) as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    return errors
+
+
+def test_bad_input_gets_a_clear_error():
+    with Cluster(2, verbose=False) as c:
+        res = c.run(_bad_inputs, echo=False)
+    assert "shard of 5 elements" in res[0][0] and "not 3" in res[0][0]
+    assert res[0][1].startswith("TypeError") and "floating-point" in res[0][1]
+
+
+def test_outside_a_rank():
+    from zeronb.collectives import ring_all_reduce
+
+    with pytest.raises(RuntimeError, match="inside a rank"):
+        ring_all_reduce(torch.ones(3))
