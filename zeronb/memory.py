@@ -1,0 +1,139 @@
+"""Where training memory goes: the ZeRO paper's formulas, and measuring what a rank really holds.
+
+Model states, per parameter (Rajbhandari et al. 2020, section 3.1): mixed-precision Adam keeps
+2 bytes of bf16/fp16 parameters, 2 bytes of gradients, and K = 12 bytes of optimizer state (an fp32
+master copy of the parameters, Adam's momentum and variance): 16 bytes for every parameter, on every
+data-parallel rank. The ZeRO stages divide parts of it by the number of ranks N (their N_d):
+
+    stage 0 (DDP)   (2 + 2 + K) * psi
+    stage 1         (2 + 2) * psi + K * psi / N                optimizer states sharded
+    stage 2         2 * psi + (2 + K) * psi / N                  + gradients
+    stage 3         (2 + 2 + K) * psi / N                        + parameters
+
+Activations are not model states: they depend on the batch each rank processes, and ZeRO does not
+shard them (chapter 6 measures them separately).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+PRECISIONS = {
+    # dtype name -> (param bytes, grad bytes, optimizer bytes per parameter) for Adam
+    "bf16-mixed": (2, 2, 12),   # bf16 params and grads; fp32 master weights, momentum, variance
+    "float32": (4, 4, 8),       # fp32 params and grads; fp32 momentum and variance (no master copy)
+    "float64": (8, 8, 16),
+}
+
+
+def model_state_bytes(num_params: float, world_size: int, stage: int, param_bytes: float = 2,
+                      grad_bytes: float = 2, optimizer_bytes: float = 12) -> float:
+    """Bytes of model states per device for ZeRO stage 0..3 (0 = plain data parallelism)."""
+    p, g, k = (b * num_params for b in (param_bytes, grad_bytes, optimizer_bytes))
+    n = world_size
+    if stage == 0:
+        return p + g + k
+    if stage == 1:
+        return p + g + k / n
+    if stage == 2:
+        return p + (g + k) / n
+    if stage == 3:
+        return (p + g + k) / n
+    raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, not {stage!r}")
+
+
+def model_state_breakdown(num_params: float, world_size: int, stage: int, param_bytes: float = 2,
+                          grad_bytes: float = 2, optimizer_bytes: float = 12) -> dict:
+    """The same formula, split into {"params", "grads", "optimizer"} bytes per device."""
+    n = world_size
+    shard = {"params": stage >= 3, "grads": stage >= 2, "optimizer": stage >= 1}
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, not {stage!r}")
+    per = {"params": param_bytes, "grads": grad_bytes, "optimizer": optimizer_bytes}
+    return {k: per[k] * num_params / (n if shard[k] else 1) for k in per}
+
+
+def reduction_factor(world_size: int, stage: int, optimizer_bytes: float = 12, param_bytes: float = 2,
+                     grad_bytes: float = 2) -> float:
+    """How many times less memory than stage 0 (DDP) a stage needs: e.g. 4x for stage 1 at large N."""
+    kw = dict(param_bytes=param_bytes, grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes)
+    return model_state_bytes(1, world_size, 0, **kw) / model_state_bytes(1, world_size, stage, **kw)
+
+
+def paper_table(params=(7.5e9, 128e9, 1e12), dp_degrees=(1, 4, 16, 64, 256, 1024), k: float = 12) -> list[dict]:
+    """The ZeRO paper's Table 1: GB per device of model states, for each model size, DP degree and
+    stage (GB = 1e9 bytes, as the paper uses)."""
+    rows = []
+    for psi in params:
+        for n in dp_degrees:
+            rows.append({"params": psi, "dp": n,
+                         **{f"stage{s}_GB": model_state_bytes(psi, n, s, optimizer_bytes=k) / 1e9 for s in range(4)}})
+    return rows
+
+
+# --- measuring -------------------------------------------------------------------------------------
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of the storage behind `tensors`, each storage counted once (a view, or two parameters
+    in one flat buffer, share storage). Storage, not numel: padding and freed buffers count as they
+    really are (a storage resized to 0 holds nothing)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        if hasattr(t, "to_local"):  # a DTensor (PyTorch FSDP2): what this rank holds is its local shard
+            t = t.to_local()
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.device)
+        if storage.nbytes() == 0 or key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list:
+    """Every tensor an optimizer keeps in its state (Adam: exp_avg, exp_avg_sq; a step counter)."""
+    out = []
+    for state in optimizer.state.values():
+        out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    return out
+
+
+def measure(params=(), grads=(), optimizer=()) -> dict:
+    """{"params", "grads", "optimizer"} bytes, from the tensors a rank holds in each role."""
+    return {"params": tensor_bytes(params), "grads": tensor_bytes(grads), "optimizer": tensor_bytes(optimizer)}
+
+
+def cuda_memory() -> dict:
+    """On a GPU: what the caching allocator says (allocated now, and the peak since the last reset)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    return {"allocated": torch.cuda.memory_allocated(), "peak": torch.cuda.max_memory_allocated()}
+
+
+@contextmanager
+def saved_activations(exclude=()):
+    """Count the bytes autograd saves for backward while the context is open: the activations.
+
+    Tensors whose storage belongs to `exclude` (the parameters: autograd saves weights too, but
+    they are model states, not activations) are not counted. Yields a dict whose "bytes" is filled
+    in as the forward pass runs."""
+    exclude = list(exclude)
+    seen: set = set()
+    result = {"bytes": 0, "tensors": 0}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        # looked up at each save: ZeRO-3 moves parameters between buffers as it gathers them
+        skip = {p.untyped_storage().data_ptr() for p in exclude}
+        if ptr not in skip and ptr not in seen and storage.nbytes():
+            seen.add(ptr)
+            result["bytes"] += storage.nbytes()
+            result["tensors"] += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield result

@@ -1,0 +1,123 @@
+"""What the ZeRO stages share: parameters in flat, padded buckets, and Adam on a shard.
+
+A *bucket* is a group of parameters laid out one after another in one flat tensor, padded with zeros
+to a multiple of the world size N (zeronb.shards' rule), each parameter becoming a view into it.
+A flat tensor is what the collectives want - one all-reduce, reduce-scatter or all-gather per
+bucket instead of one per parameter - and chunk r of it is rank r's shard.
+
+The precision of a run decides what the optimizer keeps (see zeronb.memory.PRECISIONS):
+- "float32" / "float64": Adam updates the parameters themselves; it keeps momentum and variance.
+- "bf16-mixed": parameters and gradients are bf16; Adam keeps an fp32 *master* copy of the
+  parameters plus fp32 momentum and variance - the ZeRO paper's 2 + 2 + 12 bytes per parameter.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..shards import padded_numel
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bf16-mixed": torch.bfloat16}
+
+
+def model_dtype(precision: str) -> torch.dtype:
+    if precision not in DTYPES:
+        raise ValueError(f"precision must be one of {', '.join(DTYPES)}, not {precision!r}")
+    return DTYPES[precision]
+
+
+class Bucket:
+    """Parameters in one flat tensor, padded to a multiple of `world_size`.
+
+    `data` is the flat tensor; each parameter's `.data` becomes a view into it. Chunk r of `data`
+    (`chunk(r)`) is rank r's shard; `numel` counts real elements, `padded` includes the padding."""
+
+    def __init__(self, params: list, world_size: int, name: str = ""):
+        self.params = list(params)
+        self.name = name
+        self.world_size = world_size
+        self.numel = sum(p.numel() for p in self.params)
+        self.padded = padded_numel(self.numel, world_size)
+        self.chunk_numel = self.padded // world_size
+        first = self.params[0]
+        self.data = torch.zeros(self.padded, dtype=first.dtype, device=first.device)
+        self.offsets = []
+        offset = 0
+        for p in self.params:
+            self.offsets.append(offset)
+            self.data[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.data[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def chunk(self, rank: int, flat: torch.Tensor = None) -> torch.Tensor:
+        """Rank `rank`'s chunk of `flat` (default: of the parameters)."""
+        flat = self.data if flat is None else flat
+        return flat[rank * self.chunk_numel:(rank + 1) * self.chunk_numel]
+
+    def views(self, flat: torch.Tensor) -> list:
+        """Each parameter's slice of another flat tensor laid out like this bucket (e.g. gradients)."""
+        return [flat[o:o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
+
+    def flatten_grads(self) -> torch.Tensor:
+        """The parameters' .grad copied into one padded flat tensor (missing gradients are zeros)."""
+        flat = torch.zeros(self.padded, dtype=self.data.dtype, device=self.data.device)
+        for p, o in zip(self.params, self.offsets):
+            if p.grad is not None:
+                flat[o:o + p.numel()].copy_(p.grad.reshape(-1))
+        return flat
+
+
+def make_buckets(params: list, world_size: int, bucket_bytes: int | None) -> list[Bucket]:
+    """Group parameters into buckets of about `bucket_bytes`, in *backward* order (the last layer's
+    parameters get their gradients first, so their bucket is ready first). None: one bucket."""
+    params = [p for p in params if p.requires_grad]
+    if bucket_bytes is None:
+        return [Bucket(params, world_size, "all")]
+    buckets, current, size = [], [], 0
+    for p in reversed(params):
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    # inside a bucket keep forward order, so that its flat layout reads like the model
+    return [Bucket(list(reversed(group)), world_size, f"bucket{i}") for i, group in enumerate(buckets)]
+
+
+class ShardAdam:
+    """Adam over some flat shards of parameters, with an fp32 master copy in mixed precision.
+
+    `shards` are views of the parameters that this rank updates (whole buckets for DDP, its chunks
+    for ZeRO). In float32/float64 Adam updates them in place; in bf16-mixed it updates fp32 masters
+    and copies them back into the bf16 shards."""
+
+    def __init__(self, shards: list, precision: str, lr: float = 1e-3, **adam_kw):
+        self.shards = shards
+        self.mixed = precision == "bf16-mixed"
+        self.master = [s.detach().float().clone() for s in shards] if self.mixed else shards
+        # foreach=False: the same per-tensor arithmetic as the single-process reference
+        self.optimizer = torch.optim.Adam(self.master, lr=lr, foreach=False, **adam_kw)
+
+    def step(self, grads: list) -> None:
+        for master, grad in zip(self.master, grads):
+            master.grad = grad.float() if self.mixed else grad
+        self.optimizer.step()
+        for master in self.master:
+            master.grad = None
+        if self.mixed:
+            with torch.no_grad():
+                for shard, master in zip(self.shards, self.master):
+                    shard.copy_(master)
+
+    def state_tensors(self) -> list:
+        """What the optimizer holds: Adam's states, and the master copy in mixed precision."""
+        from ..memory import optimizer_tensors
+
+        return optimizer_tensors(self.optimizer) + (self.master if self.mixed else [])
+
+
+def average_(tensor: torch.Tensor) -> torch.Tensor:
+    """Divide by the world size (gloo has no AVG reduction; a SUM then this is the same)."""
+    return tensor.div_(dist.get_world_size())
