@@ -114,3 +114,12 @@ else:
 
 all_gather_single.__doc__ = "all-gather into one flat tensor (all_gather_single, or its pre-2.13 name)"
 reduce_scatter_single.__doc__ = "reduce-scatter one flat tensor (reduce_scatter_single, or its pre-2.13 name)"
+
+
+def fully_shard():
+    """PyTorch FSDP2's `fully_shard` (torch.distributed.fsdp from 2.6; the _composable path before)."""
+    try:
+        from torch.distributed.fsdp import fully_shard as fn
+    except ImportError:
+        from torch.distributed._composable.fsdp import fully_shard as fn
+    return fn

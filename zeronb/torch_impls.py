@@ -1,0 +1,72 @@
+"""PyTorch's own counterparts of the stages, behind the same interface as zeronb.zero's engines,
+so that `python -m zeronb.train --impl torch` and the chapters can run them side by side.
+
+    stage 0: torch.nn.parallel.DistributedDataParallel
+    stage 1: DDP + torch.distributed.optim.ZeroRedundancyOptimizer
+    stage 2: FSDP2 fully_shard(reshard_after_forward=False)   (parameters stay gathered until backward)
+    stage 3: FSDP2 fully_shard(reshard_after_forward=True)
+
+DDP all-reduces from C++, out of sight of zeronb.ledger; a communication hook that calls
+dist.all_reduce from Python (what DDP's default hook does: sum, then divide by N) makes it visible.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import memory
+from .backend import device, fully_shard
+
+
+def _allreduce_hook(state, bucket):
+    """DDP's default communication, from Python so that the ledger counts it."""
+    buf = bucket.buffer()
+    return dist.all_reduce(buf, async_op=True).get_future().then(lambda fut: fut.value()[0].div_(dist.get_world_size()))
+
+
+class TorchStage:
+    def __init__(self, model, stage: int, lr: float = 1e-3):
+        self.stage, self.model = stage, model
+        dev = device()
+        if stage in (0, 1):
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [dev.index] if dev.type == "cuda" else None
+            self.wrapped = DistributedDataParallel(model, device_ids=ids)
+            self.wrapped.register_comm_hook(None, _allreduce_hook)
+            if stage == 0:
+                self.optimizer = torch.optim.Adam(model.parameters(), lr=lr, foreach=False)
+            else:
+                from torch.distributed.optim import ZeroRedundancyOptimizer
+
+                self.optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
+                                                         lr=lr, foreach=False)
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
+            shard = fully_shard()
+            for unit in model.units():
+                shard(unit, mesh=mesh, reshard_after_forward=(stage == 3))
+            shard(model, mesh=mesh, reshard_after_forward=(stage == 3))
+            self.wrapped = model
+            self.optimizer = torch.optim.Adam(model.parameters(), lr=lr, foreach=False)
+
+    def train_step(self, x, y) -> float:
+        loss = self.model.loss(self.wrapped(x), y)
+        loss.backward()
+        self.optimizer.step()
+        self._last_grads = [p.grad for p in self.model.parameters()]  # resident until zeroed
+        self.optimizer.zero_grad(set_to_none=False)
+        return loss.item()
+
+    def state_tensors(self):
+        return {"params": list(self.model.parameters()), "grads": [p.grad for p in self.model.parameters()],
+                "optimizer": memory.optimizer_tensors(self.optimizer)}
+
+    def full_parameters(self):
+        out = {}
+        for name, p in self.model.named_parameters():
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p
+            out[name.replace("module.", "", 1) if name.startswith("module.") else name] = t.detach().clone()
+        return out

@@ -1,0 +1,213 @@
+"""`python -m zeronb.train`: the ZeRO stages as a script - on a pool of ranks, or under torchrun.
+
+    python -m zeronb.train --stage 2 --nproc 4 --model gpt --dtype float64 --steps 5 --report r.json
+    torchrun --nproc-per-node 4 -m zeronb.train --stage 3 --model mlp    # joins torchrun's group
+
+Stage 0 is data parallelism (DDP); `--nproc 1 --stage 0` is plain single-process training on the
+whole global batch - the reference every stage must match. `--impl torch` runs PyTorch's own
+counterpart instead of zeronb's: DistributedDataParallel (0), ZeroRedundancyOptimizer (1), FSDP2
+`fully_shard` with reshard_after_forward False (2) and True (3).
+
+The report (--report) holds, per rank, the bytes of parameters, gradients and optimizer state it
+holds between steps, the bytes zeronb.memory's formula expects, the bytes it sent in the last step
+per collective, and the median step time; plus the final loss (of the global batch).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import memory
+from .ledger import CommLedger
+from .models import Config, global_batch, local_batch, make_model, num_params
+from .zero.common import model_dtype
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m zeronb.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=0)
+    p.add_argument("--nproc", type=int, default=2, help="ranks to start (ignored under torchrun)")
+    p.add_argument("--model", choices=["mlp", "gpt"], default="mlp")
+    p.add_argument("--dtype", choices=["float32", "float64", "bf16-mixed"], default="float32")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--impl", choices=["zeronb", "torch"], default="zeronb")
+    p.add_argument("--prefetch", action="store_true", help="stage 3: prefetch the next unit's parameters")
+    p.add_argument("--report", default=None, help="write the JSON report here")
+    p.add_argument("--save-params", default=None, help="rank 0 saves {name: full tensor} here (torch.save)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds for the whole run on a pool")
+    args = p.parse_args(argv)
+    if args.impl == "torch" and args.dtype == "bf16-mixed":
+        p.error("--impl torch runs float32 or float64 (the comparison is about the algorithm, not precision)")
+    if args.steps < 1:
+        p.error("--steps must be at least 1")
+    return args
+
+
+def _config(args) -> Config:
+    return Config(kind=args.model, seed=args.seed, global_batch=args.global_batch)
+
+
+# --- the reference: one process, the whole batch ---------------------------------------------------
+
+def train_single(args) -> dict:
+    """Plain training in one process on the whole global batch: what every stage must reproduce."""
+    cfg, dtype = _config(args), model_dtype(args.dtype)
+    model = make_model(cfg, dtype)
+    params = list(model.parameters())
+    mixed = args.dtype == "bf16-mixed"
+    master = [p.detach().float().clone() for p in params] if mixed else params
+    opt = torch.optim.Adam(master, lr=args.lr, foreach=False)
+    losses, times = [], []
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        x, y = global_batch(cfg, step, dtype)
+        loss = model.loss(model(x), y)
+        loss.backward()
+        if mixed:
+            for m, p in zip(master, params):
+                m.grad = p.grad.float()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if mixed:
+            with torch.no_grad():
+                for m, p in zip(master, params):
+                    p.copy_(m)
+        for p in params:
+            p.grad = None
+        losses.append(loss.item())
+        times.append(time.perf_counter() - t0)
+    state = {"params": params, "grads": [], "optimizer": memory.optimizer_tensors(opt) + (master if mixed else [])}
+    rank_report = _rank_report(args, model, state, {}, times, world_size=1, rank=0)
+    return {"losses": losses, "ranks": [rank_report],
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+# --- one rank of a distributed run ---------------------------------------------------------------
+
+def _engine(args, model):
+    """The stage to train with: zeronb's own, or PyTorch's counterpart."""
+    if args.impl == "zeronb":
+        from .zero import STAGES
+
+        kw = {"prefetch": args.prefetch} if args.stage == 3 else {}
+        return STAGES[args.stage](model, precision=args.dtype, lr=args.lr, **kw)
+    from .torch_impls import TorchStage
+
+    return TorchStage(model, args.stage, lr=args.lr)
+
+
+def train_rank(args) -> dict:
+    """Run inside a rank (a pool's or torchrun's): train, measure, and report."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    cfg, dtype = _config(args), model_dtype(args.dtype)
+    from .backend import device
+
+    dev = device()
+    model = make_model(cfg, dtype, dev)
+    engine = _engine(args, model)
+    losses, times = [], []
+    for step in range(args.steps):
+        x, y = local_batch(cfg, step, rank, n, dtype, dev)
+        dist.barrier()
+        t0 = time.perf_counter()
+        with CommLedger() as ledger:
+            losses.append(engine.train_step(x, y))
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    sent = dict(ledger.by_op)  # the last step's traffic
+    loss = torch.tensor([losses[-1]], dtype=torch.float64, device=dev)
+    dist.all_reduce(loss)  # equal local batches: the mean of local losses is the global batch's loss
+    report = _rank_report(args, model, engine.state_tensors(), sent, times, n, rank)
+    report["final_loss"] = loss.item() / n
+    report["memory_timeline"] = getattr(engine, "memory", [])
+    report["events"] = [list(e) for e in getattr(engine, "events", [])]
+    full = engine.full_parameters()
+    report["params"] = {k: v.cpu() for k, v in full.items()} if rank == 0 else None
+    return report
+
+
+def _rank_report(args, model, state, sent, times, world_size, rank) -> dict:
+    psi = num_params(model)
+    per = memory.PRECISIONS[args.dtype]
+    expected = memory.model_state_breakdown(psi, world_size, args.stage if world_size > 1 else 0, *per)
+    steady = times[1:] or times  # the first step pays for warm-up (allocations, connections)
+    return {"rank": rank, "bytes": memory.measure(**state), "expected_bytes": expected,
+            "sent_bytes_per_step": sent, "step_ms": statistics.median(steady) * 1e3,
+            "num_params": psi, **memory.cuda_memory()}
+
+
+# --- putting it together ---------------------------------------------------------------------------
+
+def run(args) -> dict:
+    """Train as the arguments say; return the report (with the final parameters under "params")."""
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized()
+    if dist.is_initialized() or under_torchrun:
+        if under_torchrun:
+            _join_torchrun_group()
+        out = train_rank(args)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, {k: v for k, v in out.items() if k != "params"})
+        ranks, params, world_size = gathered, out["params"], dist.get_world_size()
+        losses = [r["final_loss"] for r in ranks]
+    elif args.nproc == 1 and args.stage == 0 and args.impl == "zeronb":
+        single = train_single(args)
+        ranks, params, world_size = single["ranks"], single["params"], 1
+        losses = [single["losses"][-1]]
+    else:
+        from .cluster import Cluster
+
+        with Cluster(args.nproc, verbose=False) as cluster:
+            ranks = list(cluster.run(train_rank, args, timeout=args.timeout, echo=False))
+        params, world_size = ranks[0]["params"], args.nproc
+        for r in ranks:
+            r.pop("params", None)
+        losses = [r["final_loss"] for r in ranks]
+    return {"stage": args.stage, "world_size": world_size, "impl": args.impl, "model": args.model,
+            "dtype": args.dtype, "num_params": ranks[0]["num_params"], "final_loss": losses[0],
+            "ranks": ranks, "params": params}
+
+
+def _join_torchrun_group() -> None:
+    """Under torchrun: join its process group (env:// reads RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    report = run(args)
+    params = report.pop("params")
+    is_writer = not dist.is_initialized() or dist.get_rank() == 0
+    if is_writer:
+        if args.save_params:
+            torch.save(params, args.save_params)
+        if args.report:
+            with open(args.report, "w") as f:
+                json.dump(report, f, indent=1)
+        r0 = report["ranks"][0]
+        sent = sum(r0["sent_bytes_per_step"].values())
+        print(f"stage {args.stage} ({args.impl}), {report['world_size']} rank(s), {args.model}, {args.dtype}: "
+              f"final loss {report['final_loss']:.6f}; rank 0 holds {sum(r0['bytes'].values()) / 1024:.1f} KiB "
+              f"of model states, sent {sent / 1024:.1f} KiB in the last step, {r0['step_ms']:.1f} ms/step")
+    if dist.is_initialized() and "RANK" in os.environ:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
