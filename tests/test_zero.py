@@ -1,0 +1,98 @@
+"""The ZeRO stages against single-process training: parity, memory held, bytes sent."""
+import argparse
+import itertools
+
+import pytest
+import torch
+
+from zeronb import Cluster, memory
+from zeronb.ledger import ring_bytes
+from zeronb.train import parse_args, train_rank, train_single
+
+STEPS = 5
+
+
+def _args(**kw) -> argparse.Namespace:
+    a = parse_args([])
+    a.steps = STEPS
+    for k, v in kw.items():
+        setattr(a, k, v)
+    return a
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def results(request):
+    """Every (model, dtype, stage, impl) on one pool of N ranks, plus the single-process references."""
+    n = request.param
+    combos = list(itertools.product(["mlp", "gpt"], ["float64", "float32"], [0, 1, 2, 3], ["zeronb", "torch"]))
+    refs = {(m, d): train_single(_args(model=m, dtype=d, stage=0)) for m in ("mlp", "gpt") for d in ("float64", "float32")}
+
+    def all_runs(combos):
+        return [train_rank(_args(model=m, dtype=d, stage=s, impl=i)) for m, d, s, i in combos]
+
+    with Cluster(n, verbose=False) as c:
+        per_rank = c.run(all_runs, combos, echo=False, timeout=900)
+    return n, combos, per_rank, refs
+
+
+def test_parity_with_single_process_training(results):
+    n, combos, per_rank, refs = results
+    for k, (model, dtype, stage, impl) in enumerate(combos):
+        ref = refs[(model, dtype)]["params"]
+        got = per_rank[0][k]["params"]
+        assert set(got) == set(ref)
+        err = max((got[name] - ref[name]).abs().max().item() for name in ref)
+        tol = 1e-10 if dtype == "float64" else 1e-5
+        assert err <= tol, f"{model} {dtype} stage {stage} {impl} at N={n}: max error {err:.3g}"
+        # the global-batch loss agrees too
+        assert abs(per_rank[0][k]["final_loss"] - refs[(model, dtype)]["losses"][-1]) <= 1e3 * tol
+
+
+def test_memory_held_matches_the_formula(results):
+    n, combos, per_rank, _ = results
+    for k, (model, dtype, stage, impl) in enumerate(combos):
+        if impl != "zeronb":
+            continue
+        for rank in range(n):
+            rep = per_rank[rank][k]
+            for part in ("params", "grads", "optimizer"):
+                got, want = rep["bytes"][part], rep["expected_bytes"][part]
+                assert abs(got - want) <= 0.03 * want, (model, dtype, stage, rank, part, got, want)
+
+
+def test_bytes_sent_per_step(results):
+    n, combos, per_rank, _ = results
+    for k, (model, dtype, stage, impl) in enumerate(combos):
+        if impl != "zeronb":
+            continue
+        rep = per_rank[0][k]
+        psi, b = rep["num_params"], torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+        sent = sum(rep["sent_bytes_per_step"].values())
+        two = 2 * (n - 1) / n * psi * b  # what one all-reduce of the gradients sends
+        if stage in (0, 1, 2):
+            # padding each bucket to a multiple of N adds at most N-1 elements per bucket
+            assert two <= sent <= two * 1.02, (model, dtype, stage, sent, two)
+        else:
+            three = 3 * (n - 1) / n * psi * b
+            assert two < sent <= three * 1.02, (model, dtype, stage, sent, three)
+
+
+def test_stage_3_skips_exactly_the_last_units_second_gather(results):
+    n, combos, per_rank, _ = results
+    k = combos.index(("gpt", "float64", 3, "zeronb"))
+    rep = per_rank[0][k]
+    from zeronb.models import Config, make_model
+
+    units = make_model(Config(kind="gpt"), torch.float64).units()
+    sizes = [sum(p.numel() for p in u.parameters()) for u in units]
+    per_unit = [ring_bytes("all_gather", s * 8, n, 8) for s in sizes]
+    assert rep["sent_bytes_per_step"]["all_gather"] == 2 * sum(per_unit) - per_unit[-1]
+    assert rep["sent_bytes_per_step"]["reduce_scatter"] == sum(per_unit)
+
+
+def test_zero1_sends_what_ddp_sends(results):
+    n, combos, per_rank, _ = results
+    for model in ("mlp", "gpt"):
+        ddp = per_rank[0][combos.index((model, "float64", 0, "zeronb"))]["sent_bytes_per_step"]
+        z1 = per_rank[0][combos.index((model, "float64", 1, "zeronb"))]["sent_bytes_per_step"]
+        assert z1["reduce_scatter"] + z1["all_gather"] == ddp["all_reduce"]
