@@ -96,3 +96,42 @@ def test_zero1_sends_what_ddp_sends(results):
         ddp = per_rank[0][combos.index((model, "float64", 0, "zeronb"))]["sent_bytes_per_step"]
         z1 = per_rank[0][combos.index((model, "float64", 1, "zeronb"))]["sent_bytes_per_step"]
         assert z1["reduce_scatter"] + z1["all_gather"] == ddp["all_reduce"]
+
+
+def _activations_and_bf16_memory():
+    import torch.distributed as dist
+
+    from zeronb.memory import saved_activations
+    from zeronb.models import Config, local_batch, make_model
+    from zeronb.zero import STAGES
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = {"activations": {}, "bf16": {}}
+    for stage, Engine in STAGES.items():
+        cfg = Config(kind="gpt")
+        model = make_model(cfg, torch.float32)
+        engine = Engine(model, precision="float32")
+        x, y = local_batch(cfg, 0, rank, n)
+        with saved_activations(exclude=list(model.parameters())) as saved:
+            loss = engine.loss(x, y)
+        loss.backward()
+        engine.step()
+        out["activations"][stage] = saved["bytes"]
+        # the paper's accounting: bf16 parameters and gradients, fp32 master + Adam states (2+2+12)
+        model = make_model(cfg, torch.bfloat16)
+        engine = Engine(model, precision="bf16-mixed")
+        engine.train_step(*local_batch(cfg, 0, rank, n, torch.bfloat16))
+        out["bf16"][stage] = (memory.measure(**engine.state_tensors()),
+                              memory.model_state_breakdown(sum(p.numel() for p in model.parameters()), n, stage))
+    return out
+
+
+def test_activations_are_not_sharded_and_bf16_mixed_holds_2_2_12():
+    with Cluster(2, verbose=False) as c:
+        res = c.run(_activations_and_bf16_memory, echo=False)
+    for rank_out in res:
+        acts = rank_out["activations"]
+        assert len(set(acts.values())) == 1 and acts[0] > 0, acts  # the same at every stage
+        for stage, (got, want) in rank_out["bf16"].items():
+            for part in ("params", "grads", "optimizer"):
+                assert abs(got[part] - want[part]) <= 0.03 * want[part], (stage, part, got, want)

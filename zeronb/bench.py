@@ -1,4 +1,4 @@
-"""Benchmarks: `python -m zeronb.bench dispatch` and `python -m zeronb.bench collectives`.
+"""Benchmarks: `python -m zeronb.bench dispatch`, `... collectives` and `... zero`.
 
 Figures are measured side by side in one run and printed as ratios, because this kind of machine
 (a couple of shared cores) is noisy: medians over many calls, alternatives interleaved.
@@ -231,6 +231,53 @@ def _print_collectives(result) -> None:
               f"(ring {s['ring_s'] * 1e3:.1f} ms, torch {s['torch_s'] * 1e3:.1f} ms)")
 
 
+# --- the ZeRO stages side by side ---------------------------------------------------------------
+
+def _zero_rounds(models, stages, rounds, steps, dtype):
+    """Inside a rank: train each (model, stage) `rounds` times, interleaved, and report each."""
+    from .train import parse_args, train_rank
+
+    out = {}
+    for _ in range(rounds):
+        for model in models:
+            for stage in stages:
+                args = parse_args(["--model", model, "--stage", str(stage), "--steps", str(steps), "--dtype", dtype])
+                rep = train_rank(args)
+                rep.pop("params", None)
+                out.setdefault((model, stage), []).append(rep)
+    return out
+
+
+def zero(world_size=4, models=("mlp", "gpt"), stages=(0, 1, 2, 3), rounds=3, steps=6, dtype="float32") -> list:
+    """Per model and stage: median step time, bytes sent per step and model-state bytes on rank 0,
+    and step time relative to DDP's - all measured in one run on one pool."""
+    from .cluster import Cluster
+
+    with Cluster(world_size, verbose=False) as c:
+        res = c.run(_zero_rounds, models, stages, rounds, steps, dtype, echo=False, timeout=1800)
+    rows = []
+    for model in models:
+        times = {st: statistics.median(max(r[(model, st)][i]["step_ms"] for r in res) for i in range(rounds))
+                 for st in stages}
+        for st in stages:
+            rep = res[0][(model, st)][-1]
+            rows.append({"model": model, "stage": st, "step_ms": times[st], "vs_ddp": times[st] / times[stages[0]],
+                         "sent": sum(rep["sent_bytes_per_step"].values()), "held": sum(rep["bytes"].values()),
+                         "expected_held": sum(rep["expected_bytes"].values()), "num_params": rep["num_params"]})
+    return rows
+
+
+def _print_zero(rows, world_size, dtype) -> None:
+    print(f"ZeRO stages on {world_size} ranks, {dtype}: rank 0's model states and traffic, median step time")
+    print(f"{'model':>5} {'stage':>5} {'params':>8} {'held KiB':>9} {'formula KiB':>11} {'sent KiB/step':>14} "
+          f"{'sent / psi*b':>12} {'step ms':>8} {'vs DDP':>7}")
+    b = {"float32": 4, "float64": 8, "bf16-mixed": 2}[dtype]
+    for r in rows:
+        print(f"{r['model']:>5} {r['stage']:>5} {r['num_params']:>8} {r['held'] / 1024:>9.1f} "
+              f"{r['expected_held'] / 1024:>11.1f} {r['sent'] / 1024:>14.1f} {r['sent'] / (r['num_params'] * b):>12.3f} "
+              f"{r['step_ms']:>8.1f} {r['vs_ddp']:>6.2f}x")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zeronb.bench", description=__doc__)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -243,7 +290,15 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--segment-bytes", type=int, default=None)
     p.add_argument("--json", default=None, help="also write the results to this file")
+    p = sub.add_parser("zero", help="step time, bytes sent and memory per ZeRO stage, both models")
+    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bf16-mixed"])
     args = parser.parse_args(argv)
+    if args.what == "zero":
+        _print_zero(zero(args.world_size, rounds=args.rounds, steps=args.steps, dtype=args.dtype),
+                    args.world_size, args.dtype)
     if args.what == "collectives":
         result = collectives(tuple(args.world_sizes), tuple(args.sizes), reps=args.reps,
                              segment_bytes=args.segment_bytes)
