@@ -155,6 +155,12 @@ def main() -> None:
     conn.send(("ready", 0, {"pid": os.getpid(), "host": socket.gethostname(), "backend": backend,
                             "torch": torch.__version__}))
 
+    # The first TorchDispatchMode a rank enters (zeronb.ledger's byte counter) imports
+    # torch._dynamo: seconds of CPU. Do it now, while the rank waits for its first call.
+    import importlib
+    import threading
+    threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True).start()
+
     namespace = {"__name__": "__rank__", "__builtins__": __builtins__}  # %%ranks cells share it
     while True:
         try:

@@ -150,8 +150,21 @@ def fit_alpha_beta(sizes, seconds) -> tuple[float, float]:
     """Least-squares fit of t = alpha + beta * S: alpha the latency (s), beta seconds per byte."""
     import numpy as np
 
-    beta, alpha = np.polyfit(np.asarray(sizes, float), np.asarray(seconds, float), 1)
+    t = np.asarray(seconds, float)
+    # weights 1/t: fit relative errors, or the largest sizes decide everything and alpha is noise
+    beta, alpha = np.polyfit(np.asarray(sizes, float), t, 1, w=1 / t)
     return float(alpha), float(beta)
+
+
+def copy_ceiling(world_size: int, cores: int | None = None) -> float:
+    """A rough ceiling for busbw on one machine, as a fraction of memcpy bandwidth: over loopback every
+    byte is copied twice (into the kernel, out of it), every rank sends and receives busbw bytes/s,
+    and N ranks share C cores: busbw <~ min(C, N) / (2N) * memcpy."""
+    import os
+
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(cores, world_size) / (2 * world_size)
 
 
 def collectives(world_sizes=(2, 4), sizes=SIZES, ops=OPS, impls=IMPLS, reps=5,
@@ -173,13 +186,14 @@ def collectives(world_sizes=(2, 4), sizes=SIZES, ops=OPS, impls=IMPLS, reps=5,
     memcpy = memcpy_bandwidth()
     for n in world_sizes:
         with Cluster(n, verbose=False) as c:
+            backend = c.backend
             for nbytes in sizes:
                 r = max(3, min(reps * 4, int(reps * (4 << 20) / nbytes) or reps)) if nbytes < (4 << 20) else reps
                 res = c.run(_time_collectives, nbytes, ops, impls, r, segment_bytes or SEGMENT_BYTES,
                             echo=False, timeout=600)[0]
                 for key, t in res.items():
                     op, impl = key.split("/")
-                    rows.append({"world_size": n, "op": op, "impl": impl, "bytes": nbytes, "seconds": t,
+                    rows.append({"world_size": n, "backend": backend, "op": op, "impl": impl, "bytes": nbytes, "seconds": t,
                                  "algbw": nbytes / t, "busbw": nbytes / t * bus_factor(op, n)})
                 bar.update(1)
     bar.close()

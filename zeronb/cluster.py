@@ -602,9 +602,14 @@ class Cluster:
             if still:
                 parts.append(f"rank(s) {_join(still)} were still running, blocked (shown below), and were stopped")
             parts = ["; ".join(parts)]
-        # the ranks that died first: the others' errors are usually a consequence
+        # the ranks that died first: the others' errors are usually a consequence; ranks with the
+        # same traceback are shown once
+        shown: dict[str, list] = {}
         for r in sorted(died) + sorted(errors):
-            parts.append(f"\n--- rank {r} ---\n{tracebacks[r]}")
+            shown.setdefault(tracebacks[r], []).append(r)
+        for text, ranks in shown.items():
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_join(ranks)} (the same error)"
+            parts.append(f"\n--- {who} ---\n{text}")
         for r in still:
             parts.append(f"\n--- rank {r}: still running, blocked here (most recent call last) ---\n"
                          f"{stacks.get(r, '  (stack not available)')}")
