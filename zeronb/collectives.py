@@ -18,8 +18,9 @@ rings scale: the bytes per rank do not grow with N (the number of steps, and so 
 Two details that matter in practice:
 - Each step's send and receive are issued together (`batch_isend_irecv`). A rank that first
   *sends* and only then receives waits for its neighbour to receive, who waits for its neighbour,
-  all round the circle: a deadlock, as soon as messages are too big to be buffered (NCCL buffers
-  nothing). Chapter 4 shows it.
+  all round the circle: a deadlock. On gloo it happens at any size (a send writes nothing until
+  the receiver has posted its receive); libraries that buffer small messages hang only above some
+  size. Chapter 4 shows it.
 - Chunks are cut into segments, and a segment is forwarded as soon as it has arrived (and been
   added): the addition overlaps the transfer of the next segment, and the next step starts before
   this one has finished - a pipeline, as NCCL does it.

@@ -160,7 +160,8 @@ def _world_size(summaries) -> int:
     return max(ranks) + 1 if ranks else 1
 
 
-def _snapshots(summaries, call: int = 0, world_size: int | None = None) -> list[dict]:
+def snapshots(summaries, call: int = 0, world_size: int | None = None) -> list[dict]:
+    """The `ring_state` snapshots of collective call number `call` of the trace (0: the first)."""
     n = world_size or _world_size(summaries)
     snaps = [s for s in ring_state(summaries, n) if s["call"] == call]
     if not snaps:
@@ -274,7 +275,7 @@ def draw_ring_step(ax, snapshot: dict, *, legend: bool = True, title: str | None
 def ring_figures(summaries, *, call: int = 0, world_size: int | None = None, panel: float = 2.5):
     """Every step of one ring collective of the trace, as small multiples in one figure. For an
     all-reduce the first row is the start and the reduce-scatter, the second the all-gather."""
-    snaps = _snapshots(summaries, call, world_size)
+    snaps = snapshots(summaries, call, world_size)
     n, op = snaps[0]["world_size"], snaps[0]["op"]
     if op == "ring_all_reduce":
         rows = [snaps[:n], snaps[n:]]
@@ -310,7 +311,7 @@ def ring_animation(summaries, interval: int = 900, *, call: int = 0, world_size:
     from IPython.display import HTML
     from matplotlib.animation import FuncAnimation
 
-    snaps = _snapshots(summaries, call, world_size)
+    snaps = snapshots(summaries, call, world_size)
     n, op = snaps[0]["world_size"], snaps[0]["op"]
     fig, ax = plt.subplots(figsize=(6.4, 6.6), dpi=dpi)
     fig.legend(handles=legend_handles(n, op), loc="lower center", ncol=2, fontsize=9, frameon=False)

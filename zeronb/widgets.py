@@ -18,7 +18,7 @@ def ring_explorer(summaries, *, call: int = 0, world_size: int | None = None, va
     """A slider over the steps of one ring collective of the trace (`zeronb.run`'s list of ledger
     summaries) and the picture of the chosen step (`viz.draw_ring_step`). Returns the widget; its
     `.snapshots` are the `viz.ring_state` snapshots it draws."""
-    snaps = viz._snapshots(summaries, call, world_size)
+    snaps = viz.snapshots(summaries, call, world_size)
     n, op = snaps[0]["world_size"], snaps[0]["op"]
     slider = widgets.IntSlider(value=len(snaps) - 1 if value is None else value, min=0, max=len(snaps) - 1,
                                step=1, description="frame", continuous_update=False,
