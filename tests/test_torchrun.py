@@ -1,0 +1,52 @@
+"""The training script under torchrun - 2 nodes x 2 processes on loopback, c10d rendezvous - gives
+the same final parameters as the same run on the notebook's pool of 4 ranks."""
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from zeronb.backend import loopback_interface
+
+TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train_args(stage, out):
+    return ["--stage", str(stage), "--model", "gpt", "--dtype", "float64", "--steps", "3", "--save-params", out]
+
+
+@pytest.mark.skipif(TORCHRUN is None, reason="torchrun not found")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_two_nodes_under_torchrun_match_the_pool(stage, tmp_path):
+    pool_out, run_out = str(tmp_path / "pool.pt"), str(tmp_path / "torchrun.pt")
+    subprocess.run([sys.executable, "-m", "zeronb.train", "--nproc", "4", *_train_args(stage, pool_out)],
+                   check=True, capture_output=True, timeout=300)
+    port = _free_port()
+    env = dict(os.environ, GLOO_SOCKET_IFNAME=loopback_interface(), OMP_NUM_THREADS="1")
+    nodes = [subprocess.Popen([TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node),
+                               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                               "--rdzv-id", f"zeronb-test-{stage}", "--max-restarts", "0",
+                               "-m", "zeronb.train", *_train_args(stage, run_out)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for node in (0, 1)]
+    logs = []
+    try:
+        for p in nodes:
+            logs.append(p.communicate(timeout=300)[0])
+    finally:
+        for p in nodes:
+            p.kill()
+    assert all(p.returncode == 0 for p in nodes), "\n".join(logs)[-4000:]
+    a, b = torch.load(pool_out), torch.load(run_out)
+    assert set(a) == set(b)
+    err = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert err <= 1e-12, f"stage {stage}: torchrun and the pool differ by {err}"
