@@ -25,17 +25,19 @@ def _train_args(stage, out):
 
 
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun not found")
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_two_nodes_under_torchrun_match_the_pool(stage, tmp_path):
+@pytest.mark.parametrize("stage,rdzv", [(0, "c10d"), (1, "c10d"), (2, "c10d"), (3, "c10d"), (3, "static")])
+def test_two_nodes_under_torchrun_match_the_pool(stage, rdzv, tmp_path):
     pool_out, run_out = str(tmp_path / "pool.pt"), str(tmp_path / "torchrun.pt")
     subprocess.run([sys.executable, "-m", "zeronb.train", "--nproc", "4", *_train_args(stage, pool_out)],
                    check=True, capture_output=True, timeout=300)
     port = _free_port()
     env = dict(os.environ, GLOO_SOCKET_IFNAME=loopback_interface(), OMP_NUM_THREADS="1")
+    if rdzv == "c10d":
+        meet = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"zeronb-{stage}"]
+    else:  # the static rendezvous: node 0 hosts the store at --master-addr:--master-port
+        meet = ["--master-addr", "127.0.0.1", "--master-port", str(port)]
     nodes = [subprocess.Popen([TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node),
-                               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                               "--rdzv-id", f"zeronb-test-{stage}", "--max-restarts", "0",
-                               "-m", "zeronb.train", *_train_args(stage, run_out)],
+                               *meet, "--max-restarts", "0", "-m", "zeronb.train", *_train_args(stage, run_out)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for node in (0, 1)]
     logs = []
