@@ -12,6 +12,9 @@ VENV=${ZERONB_VENV:-.venv}
 stamp="$VENV/.zeronb-setup"
 want=$(cat requirements.txt pyproject.toml | sha256sum | cut -c1-16)
 
+# the book's browser scripts, served by the site itself (idempotent; needs npm the first time)
+bash scripts/fetch_assets.sh
+
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "import torch, zeronb" 2>/dev/null; then
   exit 0
 fi

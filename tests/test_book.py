@@ -1,21 +1,9 @@
 """The rendered book builds from scratch with warnings as errors, running every chapter."""
-import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
-import yaml
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _toc_files():
-    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    files = [toc["root"]]
-    for part in toc.get("parts", []):
-        files += [c["file"] for c in part["chapters"]]
-    return files
+from conftest import ROOT, toc_files as _toc_files
 
 
 def test_every_notebook_is_in_the_toc_and_stripped():
@@ -32,13 +20,8 @@ def test_every_notebook_is_in_the_toc_and_stripped():
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    out = tmp_path_factory.mktemp("book")
-    jb = pathlib.Path(sys.executable).with_name("jupyter-book")
-    p = subprocess.run([str(jb), "build", str(ROOT), "--path-output", str(out), "-W", "-n", "--keep-going"],
-                       capture_output=True, text=True, timeout=1800)
-    assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-5000:]
-    return out / "_build" / "html"
+def built(built_book):
+    return built_book
 
 
 def test_book_builds_every_page(built):
