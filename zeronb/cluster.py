@@ -453,7 +453,10 @@ class Cluster:
                 rk.buf, rk.printed = {1: b"", 2: b""}, {1: 0, 2: 0}
             t0 = time.perf_counter()
             for rk in self._ranks:
-                rk.conn.send_bytes(msg)
+                try:
+                    rk.conn.send_bytes(msg)
+                except OSError:  # the rank died since the last call: the wait below reports it
+                    pass
             return self._wait(self._call_id, time.monotonic() + timeout, timeout=timeout, live=live,
                               echo=echo, t0=t0)
 
@@ -680,10 +683,9 @@ def _join(ranks) -> str:
 
 
 def _first_line(text: str) -> str:
-    last = [ln for ln in text.strip().splitlines() if ln.strip()]
-    if text.startswith("the rank process"):
-        return text.splitlines()[0]
-    return last[-1].strip() if last else "failed"
+    """The line of a traceback that says what happened: its last non-empty one."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "failed"
 
 
 def _short(text: str, n: int = 160) -> str:

@@ -62,7 +62,7 @@ class TorchStage:
 
     def state_tensors(self):
         return {"params": list(self.model.parameters()), "grads": [p.grad for p in self.model.parameters()],
-                "optimizer": memory.optimizer_tensors(self.optimizer)}
+                "optimizer": memory.optimizer_tensors(getattr(self.optimizer, "optim", self.optimizer))}
 
     def full_parameters(self):
         out = {}
