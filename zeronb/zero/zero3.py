@@ -25,6 +25,7 @@ references to the same storage, so the tensors it saved for backward see the re-
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,11 @@ import torch.distributed as dist
 from ..backend import all_gather_single, reduce_scatter_single
 from .common import Bucket, ShardAdam, average_
 from .engine import Engine
+
+# The first unit's inputs (token ids, or a batch that needs no gradient) have no gradient, and
+# PyTorch warns that the unit's full backward hook then fires on its outputs' gradients: which is
+# exactly when ZeRO-3 wants it (before the unit's backward), so the warning is noise here.
+warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect to module outputs")
 
 
 class Unit:
@@ -95,6 +101,8 @@ class ZeRO3(Engine):
     # -- the hooks, in the order they fire ------------------------------------------------------
 
     def _before_forward(self, u):
+        if u.index == 0:  # a new step: the timelines describe the latest step only
+            self.events, self.memory = [], []
         self._gather(u, "forward")
         if self.prefetch and u.index + 1 < len(self.units):
             self.units[u.index + 1].gather(async_op=True)       # overlap: next unit's all-gather
