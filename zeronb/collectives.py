@@ -35,7 +35,8 @@ import torch.distributed as dist
 from . import ledger
 from .shards import bounds, chunk_size, padded_numel, shard_numel
 
-SEGMENT_BYTES = 1 << 20  # pipeline granularity; small enough to overlap, big enough to amortise a send
+SEGMENT_BYTES = 4 << 20  # pipeline granularity: small enough to overlap, big enough to amortise a send
+                         # (python -m zeronb.bench collectives --segment-bytes ... to try others)
 
 
 def _world() -> tuple[int, int]:
@@ -193,8 +194,9 @@ def ring_all_gather(shard: torch.Tensor, numel: int, *, segment_bytes: int = SEG
                          f"rank {rank} a shard of {want} elements (zeronb.shards.bounds), not {shard.numel()}")
     _check_same(numel, shard.dtype, shard.device, "ring_all_gather")
     c = chunk_size(numel, n)
-    chunks = torch.zeros(n, c, dtype=shard.dtype, device=shard.device)
+    chunks = torch.empty(n, c, dtype=shard.dtype, device=shard.device)  # every chunk gets written
     chunks[rank, :want] = shard.reshape(-1)
+    chunks[rank, want:] = 0  # this rank's padding (the others' arrives with their chunks)
     with ledger.scope("ring_all_gather"):
         _run_ring(_all_gather_steps(chunks), "ring_all_gather", segment_bytes)
     return chunks.view(-1)[:numel]

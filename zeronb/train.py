@@ -126,11 +126,12 @@ def train_rank(args) -> dict:
         if dev.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    sent = dict(ledger.by_op)  # the last step's traffic
+    sent, calls = dict(ledger.by_op), dict(ledger.calls)  # the last step's traffic
     loss = torch.tensor([losses[-1]], dtype=torch.float64, device=dev)
     dist.all_reduce(loss)  # equal local batches: the mean of local losses is the global batch's loss
     report = _rank_report(args, model, engine.state_tensors(), sent, times, n, rank)
     report["final_loss"] = loss.item() / n
+    report["calls_per_step"] = calls
     report["memory_timeline"] = getattr(engine, "memory", [])
     report["events"] = [list(e) for e in getattr(engine, "events", [])]
     full = engine.full_parameters()
