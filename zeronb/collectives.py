@@ -224,6 +224,20 @@ def ring_all_reduce(tensor: torch.Tensor, *, average: bool = False,
 
 # --- the naive versions, for comparison: everything goes through one rank ----------------------
 
+def _reduce_to_root(flat: torch.Tensor, root: int) -> None:
+    """Every rank's tensor to the root, which adds them into its own `flat` (in place)."""
+    rank, n = _world()
+    if rank == root:
+        others = [r for r in range(n) if r != root]
+        inbox = [torch.empty_like(flat) for _ in others]
+        for w in [dist.irecv(buf, src) for buf, src in zip(inbox, others)]:
+            w.wait()
+        for buf in inbox:
+            flat += buf
+    elif n > 1:
+        dist.send(flat, root)
+
+
 def naive_all_reduce(tensor: torch.Tensor, *, root: int = 0) -> torch.Tensor:
     """In place, through one root: every rank sends its whole tensor to the root, which adds them
     up and sends the sum back to every rank. Correct, but the root sends (N-1)*S bytes and receives
@@ -232,17 +246,11 @@ def naive_all_reduce(tensor: torch.Tensor, *, root: int = 0) -> torch.Tensor:
     _check_same(tensor.numel(), tensor.dtype, tensor.device, "naive_all_reduce")
     flat = tensor.detach().view(-1) if tensor.is_contiguous() else tensor.detach().reshape(-1).clone()
     with ledger.scope("naive_all_reduce"):
+        _reduce_to_root(flat, root)
         if rank == root:
-            inbox = [torch.empty_like(flat) for _ in range(n - 1)]
-            others = [r for r in range(n) if r != root]
-            for w in [dist.irecv(buf, src) for buf, src in zip(inbox, others)]:
-                w.wait()
-            for buf in inbox:
-                flat += buf
-            for w in [dist.isend(flat, dst) for dst in others]:
+            for w in [dist.isend(flat, dst) for dst in range(n) if dst != root]:
                 w.wait()
         elif n > 1:
-            dist.send(flat, root)
             dist.recv(flat, root)
     if not tensor.is_contiguous():
         tensor.copy_(flat.view_as(tensor))
@@ -254,25 +262,18 @@ def naive_reduce_scatter(tensor: torch.Tensor, *, root: int = 0) -> torch.Tensor
     rank, n = _world()
     _check_same(tensor.numel(), tensor.dtype, tensor.device, "naive_reduce_scatter")
     total = tensor.detach().reshape(-1).clone()
+    a, b = bounds(total.numel(), n, rank)
     with ledger.scope("naive_reduce_scatter"):
+        _reduce_to_root(total, root)
         if rank == root:
-            inbox = [torch.empty_like(total) for _ in range(n - 1)]
-            others = [r for r in range(n) if r != root]
-            for w in [dist.irecv(buf, src) for buf, src in zip(inbox, others)]:
-                w.wait()
-            for buf in inbox:
-                total += buf
             sends = []
-            for dst in others:
-                a, b = bounds(total.numel(), n, dst)
-                if b > a:  # a rank that owns nothing gets nothing
-                    sends.append(dist.isend(total[a:b].clone(), dst))
+            for dst in range(n):
+                da, db = bounds(total.numel(), n, dst)
+                if dst != root and db > da:  # a rank that owns nothing gets nothing
+                    sends.append(dist.isend(total[da:db].clone(), dst))
             for w in sends:
                 w.wait()
-            a, b = bounds(total.numel(), n, rank)
             return total[a:b].clone()
-        dist.send(total, root)
-        a, b = bounds(total.numel(), n, rank)
         shard = torch.empty(b - a, dtype=total.dtype, device=total.device)
         if b > a:
             dist.recv(shard, root)
