@@ -36,3 +36,43 @@ def test_chapter_pages_show_real_output(built):
     assert "{glue" not in html and "glue:text" not in html  # every glued number was filled in
     text = re.sub(r"<[^>]+>", "", html)
     assert re.search(r"Starting the pool took \d+\.\d seconds", text)
+
+
+def test_no_dead_internal_links(built):
+    """Every link from one page of the book to another (and to an anchor in it) lands somewhere."""
+    from html.parser import HTMLParser
+    from urllib.parse import unquote, urldefrag, urlparse
+
+    class Page(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.links, self.ids = [], set()
+
+        def handle_starttag(self, tag, attrs):
+            a = dict(attrs)
+            if "id" in a:
+                self.ids.add(a["id"])
+            if tag == "a" and a.get("href"):
+                self.links.append(a["href"])
+
+    pages = {}
+    for html in built.rglob("*.html"):
+        p = Page()
+        p.feed(html.read_text(errors="replace"))
+        pages[html.resolve()] = p
+    dead = []
+    for src, page in pages.items():
+        if "_static" in src.parts or src.name in ("search.html", "genindex.html"):
+            continue
+        for href in page.links:
+            if urlparse(href).scheme or href.startswith(("mailto:", "javascript:")):
+                continue  # external links cannot be checked without a network
+            path, frag = urldefrag(href)
+            target = (src.parent / unquote(path)).resolve() if path else src
+            if target.is_dir():
+                target = target / "index.html"
+            if target not in pages and not target.exists():
+                dead.append(f"{src.relative_to(built.resolve())}: {href} (no such file)")
+            elif frag and target in pages and unquote(frag) not in pages[target].ids:
+                dead.append(f"{src.relative_to(built.resolve())}: {href} (no such anchor)")
+    assert not dead, "\n".join(dead[:20])
