@@ -21,6 +21,6 @@ fi
 
 # A hung call fails in two minutes, not the thirty of gloo's own timeout.
 export ZERONB_TIMEOUT=${ZERONB_TIMEOUT:-120}
-# -v: the log shows every test and every notebook cell that ran.
-exec "$VENV/bin/python" -m pytest -v -p no:cacheprovider --timeout 900 \
+# -v: the log shows every test and every notebook cell that ran; --durations: the slowest ones.
+exec "$VENV/bin/python" -m pytest -v -p no:cacheprovider --timeout 900 --durations=15 \
   --nbval-lax --nbval-current-env tests notebooks "$@"
