@@ -5,6 +5,9 @@ import pytest
 
 from conftest import ROOT, toc_files as _toc_files
 
+# the first test here builds the whole book (every chapter executed): more than the usual per-test limit
+pytestmark = pytest.mark.timeout(3600)
+
 
 def test_every_notebook_is_in_the_toc_and_stripped():
     import nbformat

@@ -13,7 +13,8 @@ import pytest
 from conftest import ROOT, toc_files
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (Debian package chromium)")
+pytestmark = [pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (Debian package chromium)"),
+              pytest.mark.timeout(3600)]  # may be the one that builds the book
 
 # Chromium's own background chatter is switched off, so that every request we see is the page's
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
