@@ -144,7 +144,7 @@ def test_a_wrong_key_is_refused_and_the_pool_starts_anyway():
 
 def test_control_channel_is_closed_once_the_ranks_are_in():
     with Cluster(2, verbose=False) as c:
-        host, port = c._listener.address
+        host, port = c.control_address
         assert host == "127.0.0.1"
         with pytest.raises(OSError):
             Client((host, port), authkey=b"whatever")

@@ -251,7 +251,7 @@ class Cluster:
         key = secrets.token_bytes(32)
         self._listener = Listener(("127.0.0.1", 0), authkey=key, backlog=self.world_size + 4)
         self._store = _backend.loopback_store(self.world_size, timedelta(seconds=START_TIMEOUT))
-        host, port = self._listener.address
+        host, port = self.control_address = self._listener.address  # closed once the ranks are in
         per_node = self.world_size // self.nodes
         env = dict(os.environ)
         env.pop("PYTEST_CURRENT_TEST", None)
