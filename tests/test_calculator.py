@@ -95,6 +95,7 @@ def test_describe_and_plot():
     assert ax.get_title() and ax.get_xlabel() and "GB" in ax.get_ylabel()
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["optimizer", "grads", "params"]
     assert len(ax.patches) >= 12  # 4 stages x 3 roles
+    matplotlib.pyplot.close(fig)
 
 
 def test_widget_builds_and_follows_its_controls():

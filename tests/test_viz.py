@@ -245,12 +245,13 @@ def test_draw_ring_step_draws_the_sends(traced):
 
 def test_ring_animation_has_a_frame_per_snapshot(traced):
     n, res = traced
+    open_before = matplotlib.pyplot.get_fignums()
     html = viz.ring_animation(_summaries(res, "ring_all_reduce"), interval=500)
     assert isinstance(html, HTML)
     frames = 1 + 2 * (n - 1)
     assert html.data.count("data:image/png;base64") == frames
     assert f"frames[{frames - 1}]" in html.data and "font-awesome" not in html.data
-    assert not matplotlib.pyplot.get_fignums()  # closed: not shown a second time
+    assert matplotlib.pyplot.get_fignums() == open_before  # closed: not shown a second time
 
 
 def test_timeline(traced):
@@ -268,8 +269,9 @@ def test_ring_explorer(traced):
     from zeronb import widgets
 
     n, res = traced
+    open_before = matplotlib.pyplot.get_fignums()
     box = widgets.ring_explorer(_summaries(res, "ring_all_reduce"))
     assert box.slider.min == 0 and box.slider.max == 2 * (n - 1) == len(box.snapshots) - 1
     box.slider.value = 1
     assert "reduce-scatter, step 1" in box.children[0].children[1].value
-    assert not matplotlib.pyplot.get_fignums()
+    assert matplotlib.pyplot.get_fignums() == open_before
