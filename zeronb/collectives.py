@@ -15,12 +15,14 @@ Each rank sends N-1 chunks per pass, (N-1)/N of the tensor, whatever N is: 2(N-1
 all-reduce. That is the least any algorithm can send (the bandwidth-optimal bound), and it is why
 rings scale: the bytes per rank do not grow with N (the number of steps, and so the latency, does).
 
-Two details that matter in practice:
-- Each step's send and receive are issued together (`batch_isend_irecv`). A rank that first
+Three details that matter in practice:
+- A step's send and receive are issued together (`batch_isend_irecv`). A rank that first
   *sends* and only then receives waits for its neighbour to receive, who waits for its neighbour,
   all round the circle: a deadlock. On gloo it happens at any size (a send writes nothing until
   the receiver has posted its receive); libraries that buffer small messages hang only above some
   size. Chapter 4 shows it.
+- For the same reason, on gloo a receive is posted two steps ahead: the neighbour's next send
+  starts the moment it is issued, instead of waiting for this rank to get round to it.
 - Chunks are cut into segments, and a segment is forwarded as soon as it has arrived (and been
   added): the addition overlaps the transfer of the next segment, and the next step starts before
   this one has finished - a pipeline, as NCCL does it.
@@ -35,7 +37,7 @@ import torch.distributed as dist
 from . import ledger
 from .shards import bounds, chunk_size, padded_numel, shard_numel
 
-SEGMENT_BYTES = 4 << 20  # pipeline granularity: small enough to overlap, big enough to amortise a send
+SEGMENT_BYTES = 2 << 20  # pipeline granularity: small enough to overlap, big enough to amortise a send
                          # (python -m zeronb.bench collectives --segment-bytes ... to try others)
 
 
@@ -47,19 +49,38 @@ def _world() -> tuple[int, int]:
 
 def _check_same(numel: int, dtype: torch.dtype, device, what: str) -> None:
     """Every rank must pass the same size and dtype, or a ring would hang waiting for bytes that
-    never come. One tiny all-gather of (numel, dtype) lets *every* rank see a mismatch and raise."""
+    never come. Every rank learns the smallest and largest (numel, dtype) over all ranks, so that
+    *every* rank sees a mismatch and raises (and the group stays usable)."""
     rank, n = _world()
     code = list(_DTYPES).index(dtype) if dtype in _DTYPES else -1
     mine = torch.tensor([numel, code], dtype=torch.int64, device=device)
-    everyone = torch.empty(2 * n, dtype=torch.int64, device=device)
     with ledger.muted():  # bookkeeping, not part of the algorithm's traffic
-        from .backend import all_gather_single
+        top = _max_over_ranks(torch.cat([mine, -mine]))  # the largest values, and minus the smallest
+        if torch.equal(top[:2], -top[2:]):
+            return
+        from .backend import all_gather_single  # a mismatch: collect every rank's, to say who differs
+        everyone = torch.empty(2 * n, dtype=torch.int64, device=device)
         all_gather_single(everyone, mine)
-    pairs = everyone.view(n, 2).tolist()
-    if any(p != pairs[0] for p in pairs):
-        listing = ", ".join(f"rank {r}: {p[0]} x {_DTYPES[p[1]] if p[1] >= 0 else '?'}"
-                            for r, p in enumerate(pairs))
-        raise ValueError(f"{what}: every rank must pass the same number of elements and dtype; got {listing}")
+    listing = ", ".join(f"rank {r}: {p[0]} x {_DTYPES[p[1]] if p[1] >= 0 else '?'}"
+                        for r, p in enumerate(everyone.view(n, 2).tolist()))
+    raise ValueError(f"{what}: every rank must pass the same number of elements and dtype; got {listing}")
+
+
+def _max_over_ranks(values: torch.Tensor) -> torch.Tensor:
+    """Element-wise max over all ranks of a few numbers, by recursive doubling: in round j every rank
+    sends what it knows to rank r + 2^j and keeps the max with what rank r - 2^j sent, so after
+    ceil(log2 N) rounds each has heard from all. A check on every call must be cheap: this is
+    ~1 ms on 4 ranks here, against ~3.5 ms for a tiny all_gather (gloo)."""
+    rank, n = _world()
+    hop = 1
+    while hop < n:
+        heard = torch.empty_like(values)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, values, (rank + hop) % n),
+                                            dist.P2POp(dist.irecv, heard, (rank - hop) % n)]):
+            work.wait()
+        values = torch.maximum(values, heard)
+        hop *= 2
+    return values
 
 
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32,
@@ -88,9 +109,10 @@ def _reduce_scatter_steps(src, dst, scratch, acc, out_shard, average):
     """The N-1 steps of a ring reduce-scatter: rank r sends chunk (r-s-1) and receives chunk (r-s-2)
     at step s, adding its own copy of that chunk to what arrived, and ends with chunk r complete.
 
-    src: the N input chunks (read); scratch: where incoming partial sums land. In place (dst is
-    src): the sums overwrite the input. Out of place: they go to `acc`, one chunk, and the last one
-    to `out_shard` - no copy of the whole input is ever made."""
+    src: the N input chunks (read); scratch: two chunk-sized buffers that incoming partial sums land
+    in, used in turn (so step s+1's receive can be posted while step s's is still being added).
+    In place (dst is src): the sums overwrite the input. Out of place: they go to the two `acc`
+    buffers in turn, and the last one to `out_shard` - no copy of the whole input is ever made."""
     rank, n = _world()
     steps = []
     for s in range(n - 1):
@@ -99,9 +121,9 @@ def _reduce_scatter_steps(src, dst, scratch, acc, out_shard, average):
         if dst is not None:
             out = dst[recv_c]
         else:
-            out = out_shard if last else acc
+            out = out_shard if last else acc[s % 2]
         send = src[send_c] if s == 0 else steps[-1].out  # forward what was just summed
-        steps.append(_Step("reduce-scatter", send, scratch, send_c, recv_c, add_to=src[recv_c], out=out,
+        steps.append(_Step("reduce-scatter", send, scratch[s % 2], send_c, recv_c, add_to=src[recv_c], out=out,
                            divide=n if (last and average) else 0))
     return steps
 
@@ -114,41 +136,83 @@ def _all_gather_steps(chunks):
                   (rank - s - 1) % n) for s in range(n - 1)]
 
 
+def _receives_ahead() -> int:
+    """How many steps ahead a receive is posted. gloo moves no byte of a send until the receiver has
+    posted the receive, so a receive posted late stalls the sender, and the stall travels round the
+    ring: post it two steps ahead, as soon as its buffer is free. NCCL runs a rank's sends and
+    receives to one peer in order on one stream, so a receive posted ahead of the send it must
+    follow would wait for itself (with 2 ranks the next and previous rank are the same peer): there
+    each step's send and receive go out together, one group, and the GPU queues them anyway."""
+    return 2 if dist.get_backend() == "gloo" else 1
+
+
 def _run_ring(steps, op: str, segment_bytes: int) -> None:
     """Run the steps as a pipeline: each chunk is cut into segments, and a segment is forwarded
-    (step s+1) as soon as it has arrived and been added (step s), while later segments are still
-    on the wire. Each step's send and receive are posted together (batch_isend_irecv)."""
+    (step i+1's send) as soon as it has arrived and been added (step i), while later segments are
+    still on the wire. Receives are posted `_receives_ahead()` steps early.
+
+    Messages between two ranks match in the order they are posted, so sends and receives are both
+    posted step by step, segment by segment. A buffer is written only once the send that read it
+    has finished: step i's send is waited for before step i+2's receive is posted. (One case needs
+    an argument rather than a wait: with 2 ranks, the first all-gather receive lands in the chunk
+    the first reduce-scatter step sent. The neighbour fills it with a sum it can only finish after
+    it has received every byte of that send.)"""
     if not steps or steps[0].recv.numel() == 0:
         return
     rank, n = _world()
     nxt, prv = (rank + 1) % n, (rank - 1) % n
     segments = _segments(steps[0].recv.numel(), steps[0].recv.element_size(), segment_bytes)
+    ahead = _receives_ahead()
     trace = ledger.recording()
-    started = {}
+    started, sends, recvs = {}, {}, {}
 
-    def post(i, a, b):
-        if trace and i not in started:
-            started[i] = ledger.now()
-        return dist.batch_isend_irecv([dist.P2POp(dist.isend, steps[i].send[a:b], nxt),
-                                       dist.P2POp(dist.irecv, steps[i].recv[a:b], prv)])
+    def post(k, send_step=None, recv_step=None):
+        """Post segment k of one step's send and/or one step's receive, together."""
+        a, b = segments[k]
+        ops = []
+        if send_step is not None:
+            if trace and send_step not in started:
+                started[send_step] = ledger.now()
+            ops.append(dist.P2POp(dist.isend, steps[send_step].send[a:b], nxt))
+        if recv_step is not None:
+            ops.append(dist.P2POp(dist.irecv, steps[recv_step].recv[a:b], prv))
+        works = dist.batch_isend_irecv(ops)
+        if send_step is not None:
+            sends[send_step, k] = works[0]
+        if recv_step is not None:
+            recvs[recv_step, k] = works[-1]
 
-    pending = [post(0, a, b) for a, b in segments]
+    for k in range(len(segments)):
+        post(k, send_step=0, recv_step=0)
+    for j in range(1, min(ahead, len(steps))):
+        for k in range(len(segments)):
+            post(k, recv_step=j)
     for i, step in enumerate(steps):
         for k, (a, b) in enumerate(segments):
-            for work in pending[k]:
-                work.wait()
+            recvs.pop((i, k)).wait()
             if step.add_to is not None:  # the reduction, on this segment only
                 torch.add(step.add_to[a:b], step.recv[a:b], out=step.out[a:b])
                 if step.divide:
                     step.out[a:b].div_(step.divide)
+            later = i + ahead if i + ahead < len(steps) else None
+            if ahead == 1:  # NCCL: this step's send and receive are done, the next go out together
+                sends.pop((i, k)).wait()
+                if later is not None:
+                    post(k, send_step=later, recv_step=later)
+                continue
             if i + 1 < len(steps):
-                pending[k] = post(i + 1, a, b)
+                post(k, send_step=i + 1)  # forward the segment at once
+            if later is not None:
+                sends.pop((i, k)).wait()  # its buffer may be the next receive's (a work is waited for once)
+                post(k, recv_step=later)
         if trace:
             in_phase = sum(1 for earlier in steps[:i] if earlier.phase == step.phase)  # steps restart per phase
             nbytes, end = step.recv.numel() * step.recv.element_size(), ledger.now()
             common = dict(op=op, phase=step.phase, step=in_phase, bytes=nbytes, start=started[i], end=end)
             ledger.record(kind="send", src=rank, dst=nxt, chunk=step.send_chunk, **common)
             ledger.record(kind="recv", src=prv, dst=rank, chunk=step.recv_chunk, **common)
+    for work in sends.values():
+        work.wait()
 
 
 def _flat_chunks(tensor: torch.Tensor, n: int, writable: bool) -> torch.Tensor:
@@ -177,7 +241,8 @@ def ring_reduce_scatter(tensor: torch.Tensor, *, average: bool = False,
     src = _flat_chunks(tensor, n, writable=False)
     shard = src[rank].clone()  # world size 1: the sum of one tensor is itself
     if n > 1:
-        scratch, acc = torch.empty_like(src[0]), torch.empty_like(src[0])
+        scratch = torch.empty(2, src.shape[1], dtype=src.dtype, device=src.device)
+        acc = torch.empty_like(scratch)
         with ledger.scope("ring_reduce_scatter"):
             _run_ring(_reduce_scatter_steps(src, None, scratch, acc, shard, average),
                       "ring_reduce_scatter", segment_bytes)
@@ -213,7 +278,7 @@ def ring_all_reduce(tensor: torch.Tensor, *, average: bool = False,
     if n == 1 or tensor.numel() == 0:
         return tensor
     chunks = _flat_chunks(tensor, n, writable=True)
-    scratch = torch.empty_like(chunks[0])
+    scratch = torch.empty(2, chunks.shape[1], dtype=chunks.dtype, device=chunks.device)
     with ledger.scope("ring_all_reduce"):
         steps = _reduce_scatter_steps(chunks, chunks, scratch, None, None, average) + _all_gather_steps(chunks)
         _run_ring(steps, "ring_all_reduce", segment_bytes)
