@@ -234,7 +234,7 @@ def _print_collectives(result) -> None:
                 print(f"{_human(nbytes):>10}  " + "  ".join(f"{sel[i]['seconds'] * 1e3:7.2f}" for i in IMPLS) + "   "
                       + "  ".join(f"{sel[i]['busbw'] / 1e9:7.3f}" for i in IMPLS) + "   "
                       + "  ".join(f"{sel[i]['busbw'] / memcpy:6.1%}" for i in IMPLS))
-            for impl in IMPLS:
+            for impl in IMPLS if len({r["bytes"] for r in rows}) >= 3 else ():  # a line needs a few sizes
                 pts = sorted((r["bytes"], r["seconds"]) for r in rows
                              if r["world_size"] == n and r["op"] == op and r["impl"] == impl)
                 alpha, beta = fit_alpha_beta(*zip(*pts))
