@@ -1,9 +1,12 @@
-"""Fixtures shared by the book tests: one clean build of the whole book per test session."""
+"""Shared by the tests: one clean build of the whole book per test session, and the record of how
+long each injected fault took to surface (printed as a table at the end of the run)."""
 import os
 import pathlib
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 import yaml
 
@@ -30,3 +33,33 @@ def built_book(tmp_path_factory):
                        capture_output=True, text=True, timeout=3600)
     assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-6000:]
     return out / "_build" / "html"
+
+
+def running(pids):
+    """The processes among `pids` that still run (a zombie has exited; only its parent's
+    bookkeeping is left)."""
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+FAULT_TIMES: list[tuple[str, float]] = []
+
+
+def surfaced(what: str, t0: float) -> float:
+    """Seconds since t0 (time.monotonic) that a fault took to surface; kept for the end-of-run table."""
+    took = time.monotonic() - t0
+    FAULT_TIMES.append((what, took))
+    return took
+
+
+def pytest_terminal_summary(terminalreporter):
+    if FAULT_TIMES:
+        terminalreporter.section("faults: time from the fault to the exception in the caller")
+        for what, took in FAULT_TIMES:
+            terminalreporter.write_line(f"{took:6.2f} s  {what}")

@@ -1,7 +1,7 @@
-"""The rank pool: real processes, a real gloo process group, and every way a call can go wrong."""
+"""The rank pool: real processes, a real gloo process group, its life cycle and bad input. (What
+happens when a rank fails is in test_faults.py.)"""
 import ctypes
 import os
-import signal
 import sys
 import threading
 import time
@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import running
 import zeronb
-from zeronb import Cluster, RankError, RankTimeout
+from zeronb import Cluster, RankError
 
 
 @pytest.fixture(scope="module")
@@ -20,15 +21,6 @@ def pool():
     with Cluster(world_size=4, verbose=False) as c:
         yield c
 
-
-@pytest.fixture
-def pair():
-    with Cluster(world_size=2, verbose=False) as c:
-        yield c
-
-
-def _alive(pids):
-    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
 # --- running code on the ranks ---------------------------------------------------------------
@@ -134,134 +126,14 @@ def test_dispatch_is_fast_when_warm(pool):
     assert sorted(times)[15] < 0.25  # a correctness bound (no process start per call); speed is in bench
 
 
-# --- failures --------------------------------------------------------------------------------
-
-def test_exception_while_others_wait_in_a_collective(pair):
-    def f():
-        if dist.get_rank() == 1:
-            raise ValueError("rank one is unhappy")
-        dist.barrier()  # rank 0 waits here for rank 1, which never comes
-
-    t0 = time.monotonic()
-    with pytest.raises(RankError) as e:
-        pair.run(f, echo=False)
-    assert time.monotonic() - t0 < 5
-    err = e.value
-    assert err.failed == [1]
-    assert "ValueError: rank one is unhappy" in err.tracebacks[1]
-    assert 'raise ValueError("rank one is unhappy")' in err.tracebacks[1]  # the source line
-    assert "barrier" in err.stacks[0]  # where rank 0 was blocked
-    assert "dist.barrier()" in err.stacks[0]
-    # the pool restarts and works
-    assert list(pair.run(dist.get_rank, echo=False)) == [0, 1]
-
-
-def test_exception_on_every_rank_keeps_the_pool(pair):
-    pids = pair.pids
-
-    def f():
-        raise KeyError(dist.get_rank())
-
-    with pytest.raises(RankError) as e:
-        pair.run(f, echo=False)
-    assert e.value.failed == [0, 1] and not e.value.stacks
-    assert pair.pids == pids  # nobody was blocked: no restart needed
-
-
-def test_chained_exceptions_are_shown(pair):
-    def f():
-        try:
-            {}["missing"]
-        except KeyError as k:
-            raise RuntimeError("lookup failed") from k
-
-    with pytest.raises(RankError) as e:
-        pair.run(f, echo=False)
-    tb = e.value.tracebacks[0]
-    assert "KeyError: 'missing'" in tb and "direct cause" in tb and "RuntimeError: lookup failed" in tb
-
-
-def test_timeout_shows_where_each_rank_is_blocked(pair):
-    def f():
-        if dist.get_rank() == 0:
-            t = torch.zeros(1)
-            dist.recv(t, src=1)  # rank 1 never sends
-        else:
-            time.sleep(60)
-
-    t0 = time.monotonic()
-    with pytest.raises(RankTimeout) as e:
-        pair.run(f, timeout=2, echo=False)
-    took = time.monotonic() - t0
-    assert 2 <= took < 6
-    assert isinstance(e.value, TimeoutError) and isinstance(e.value, RankError)
-    assert "timeout of 2 s" in str(e.value)
-    assert "dist.recv(t, src=1)" in e.value.stacks[0] and "in recv" in e.value.stacks[0]
-    assert "time.sleep(60)" in e.value.stacks[1]
-    assert pair.run(lambda: 7, echo=False) == [7, 7]
-
-
-def test_timeout_from_environment(pair, monkeypatch):
-    monkeypatch.setenv("ZERONB_TIMEOUT", "1.5")
-    t0 = time.monotonic()
-    with pytest.raises(RankTimeout):
-        pair.run(time.sleep, 30, echo=False)
-    assert time.monotonic() - t0 < 5
-
-
-@pytest.mark.parametrize("how", ["sigkill", "segfault"])
-def test_a_rank_that_dies(pair, how):
-    def f():
-        if dist.get_rank() == 1:
-            print("about to go", flush=True)
-            if how == "sigkill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            ctypes.string_at(0)  # segmentation fault
-        dist.barrier()
-
-    t0 = time.monotonic()
-    with pytest.raises(RankError) as e:
-        pair.run(f, echo=False)
-    assert time.monotonic() - t0 < 5
-    err = e.value
-    assert 1 in err.failed and list(err.exit_codes) == [1]
-    assert err.exit_codes[1] == -(signal.SIGKILL if how == "sigkill" else signal.SIGSEGV)
-    assert ("SIGKILL" if how == "sigkill" else "SIGSEGV") in str(err)
-    assert err.stdout[1] == "about to go\n"
-    if how == "segfault":  # faulthandler's dump, from the rank's stderr
-        assert "Segmentation fault" in err.tracebacks[1] and "string_at" in err.tracebacks[1]
-    # rank 0 was waiting in the barrier: still blocked there, or failed in it when gloo saw rank 1 go
-    assert "barrier" in err.stacks.get(0, "") + err.tracebacks.get(0, "")
-    assert pair.run(dist.get_world_size, echo=False) == [2, 2]
-
-
-def test_restart_says_state_was_lost(capsys):
-    with Cluster(world_size=2) as c:
-        with pytest.raises(RankTimeout):
-            c.run(time.sleep, 30, timeout=1, echo=False)
-        capsys.readouterr()
-        c.run(int, echo=False)
-        assert "per-rank state from earlier calls was lost" in capsys.readouterr().out
-
-
-def test_keyboard_interrupt_stops_the_call_promptly(pair):
-    old_pids = pair.pids
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        pair.run(time.sleep, 60, echo=False)
-    assert time.monotonic() - t0 < 4
-    assert not _alive(old_pids)
-    assert pair.run(lambda: 1, echo=False) == [1, 1]
-
+# --- the pool's life: start, shutdown, several pools ---------------------------------------
 
 def test_shutdown_leaves_no_process_behind():
     c = zeronb.start(3, verbose=False)
     pids = c.pids
-    assert len(_alive(pids)) == 3
+    assert len(running(pids)) == 3
     zeronb.shutdown()
-    assert not _alive(pids)
+    assert not running(pids)
     with pytest.raises(RuntimeError, match="zeronb.start"):
         zeronb.run(int)
 

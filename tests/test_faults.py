@@ -1,5 +1,7 @@
-"""Fault injection: the pool under faults and load. Each case prints how long the fault took to
-surface (run with -s, or read the captured output of a failure)."""
+"""Fault injection: the pool under faults and load. Every fault must surface in the notebook within
+seconds, as an exception that names the ranks, and leave a pool that works; each case records how
+long it took, and the test run ends with a table of those times."""
+import ctypes
 import os
 import signal
 import subprocess
@@ -14,25 +16,136 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import zeronb
+from conftest import running, surfaced
 from zeronb import Cluster, RankError, RankTimeout
 
 
-def _running(pids):
-    out = []
-    for pid in pids:
+@pytest.fixture
+def pair():
+    with Cluster(world_size=2, verbose=False) as c:
+        yield c
+
+
+# --- a rank fails: an exception, a crash, a hang, an interrupt ---------------------------------
+
+def test_exception_while_others_wait_in_a_collective(pair):
+    def f():
+        if dist.get_rank() == 1:
+            raise ValueError("rank one is unhappy")
+        dist.barrier()  # rank 0 waits here for rank 1, which never comes
+
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as e:
+        pair.run(f, echo=False)
+    assert surfaced("exception on rank 1 while rank 0 waits in a barrier", t0) < 5
+    err = e.value
+    assert err.failed == [1]
+    assert "ValueError: rank one is unhappy" in err.tracebacks[1]
+    assert 'raise ValueError("rank one is unhappy")' in err.tracebacks[1]  # the source line
+    assert "barrier" in err.stacks[0]  # where rank 0 was blocked
+    assert "dist.barrier()" in err.stacks[0]
+    # the pool restarts and works
+    assert list(pair.run(dist.get_rank, echo=False)) == [0, 1]
+
+
+def test_exception_on_every_rank_keeps_the_pool(pair):
+    pids = pair.pids
+
+    def f():
+        raise KeyError(dist.get_rank())
+
+    with pytest.raises(RankError) as e:
+        pair.run(f, echo=False)
+    assert e.value.failed == [0, 1] and not e.value.stacks
+    assert pair.pids == pids  # nobody was blocked: no restart needed
+
+
+def test_chained_exceptions_are_shown(pair):
+    def f():
         try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
+            {}["missing"]
+        except KeyError as k:
+            raise RuntimeError("lookup failed") from k
+
+    with pytest.raises(RankError) as e:
+        pair.run(f, echo=False)
+    tb = e.value.tracebacks[0]
+    assert "KeyError: 'missing'" in tb and "direct cause" in tb and "RuntimeError: lookup failed" in tb
 
 
-def _surfaced(what, t0):
-    took = time.monotonic() - t0
-    print(f"{what}: surfaced in {took:.2f} s")
-    return took
+def test_timeout_shows_where_each_rank_is_blocked(pair):
+    def f():
+        if dist.get_rank() == 0:
+            t = torch.zeros(1)
+            dist.recv(t, src=1)  # rank 1 never sends
+        else:
+            time.sleep(60)
+
+    t0 = time.monotonic()
+    with pytest.raises(RankTimeout) as e:
+        pair.run(f, timeout=2, echo=False)
+    took = surfaced("call past its 2 s timeout (rank 0 blocked in recv)", t0)
+    assert 2 <= took < 6
+    assert isinstance(e.value, TimeoutError) and isinstance(e.value, RankError)
+    assert "timeout of 2 s" in str(e.value)
+    assert "dist.recv(t, src=1)" in e.value.stacks[0] and "in recv" in e.value.stacks[0]
+    assert "time.sleep(60)" in e.value.stacks[1]
+    assert pair.run(lambda: 7, echo=False) == [7, 7]
+
+
+def test_timeout_from_environment(pair, monkeypatch):
+    monkeypatch.setenv("ZERONB_TIMEOUT", "1.5")
+    t0 = time.monotonic()
+    with pytest.raises(RankTimeout):
+        pair.run(time.sleep, 30, echo=False)
+    assert surfaced("timeout of 1.5 s from ZERONB_TIMEOUT", t0) < 5
+
+
+@pytest.mark.parametrize("how", ["sigkill", "segfault"])
+def test_a_rank_that_dies(pair, how):
+    def f():
+        if dist.get_rank() == 1:
+            print("about to go", flush=True)
+            if how == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            ctypes.string_at(0)  # segmentation fault
+        dist.barrier()
+
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as e:
+        pair.run(f, echo=False)
+    assert surfaced(f"rank 1 {'SIGKILLed' if how == 'sigkill' else 'segfaulted'} while rank 0 waits", t0) < 5
+    err = e.value
+    assert 1 in err.failed and list(err.exit_codes) == [1]
+    assert err.exit_codes[1] == -(signal.SIGKILL if how == "sigkill" else signal.SIGSEGV)
+    assert ("SIGKILL" if how == "sigkill" else "SIGSEGV") in str(err)
+    assert err.stdout[1] == "about to go\n"
+    if how == "segfault":  # faulthandler's dump, from the rank's stderr
+        assert "Segmentation fault" in err.tracebacks[1] and "string_at" in err.tracebacks[1]
+    # rank 0 was waiting in the barrier: still blocked there, or failed in it when gloo saw rank 1 go
+    assert "barrier" in err.stacks.get(0, "") + err.tracebacks.get(0, "")
+    assert pair.run(dist.get_world_size, echo=False) == [2, 2]
+
+
+def test_restart_says_state_was_lost(capsys):
+    with Cluster(world_size=2) as c:
+        with pytest.raises(RankTimeout):
+            c.run(time.sleep, 30, timeout=1, echo=False)
+        capsys.readouterr()
+        c.run(int, echo=False)
+        assert "per-rank state from earlier calls was lost" in capsys.readouterr().out
+
+
+def test_keyboard_interrupt_stops_the_call_promptly(pair):
+    old_pids = pair.pids
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        pair.run(time.sleep, 60, echo=False)
+    assert surfaced("KeyboardInterrupt 1 s into a call", t0 + 1.0) < 3
+    assert not running(old_pids)
+    assert pair.run(lambda: 1, echo=False) == [1, 1]
 
 
 def _mismatched_collectives():
@@ -49,9 +162,27 @@ def test_mismatched_collectives_do_not_hang():
         t0 = time.monotonic()
         with pytest.raises(RankError):  # gloo notices (an error) or not (our timeout): never a hang
             c.run(_mismatched_collectives, timeout=10, echo=False)
-        assert _surfaced("mismatched collectives", t0) < 15
+        assert surfaced("mismatched collectives (all_reduce against broadcast)", t0) < 15
         assert c.run(dist.get_rank, echo=False) == [0, 1]
 
+def _mismatched_sizes():
+    from zeronb.collectives import ring_all_reduce
+
+    return ring_all_reduce(torch.ones(10 + dist.get_rank()))
+
+
+def test_mismatched_sizes_in_a_ring_op_raise_on_every_rank_instead_of_hanging():
+    with Cluster(3, verbose=False) as c:
+        t0 = time.monotonic()
+        with pytest.raises(RankError) as e:
+            c.run(_mismatched_sizes, echo=False, timeout=30)
+        assert surfaced("mismatched tensor sizes in a ring all-reduce", t0) < 5
+        assert e.value.failed == [0, 1, 2] and not e.value.blocked
+        assert "rank 0: 10 x torch.float32, rank 1: 11 x torch.float32, rank 2: 12" in str(e.value)
+        assert c.run(lambda: 1, echo=False) == [1, 1, 1]  # the pool needed no restart
+
+
+# --- the process around the pool: a killed parent, many pools, strangers, a soak -----------
 
 def test_ranks_die_with_a_killed_parent():
     script = textwrap.dedent("""
@@ -63,13 +194,13 @@ def test_ranks_die_with_a_killed_parent():
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in parent.stdout.readline().split()]
-        assert len(_running(pids)) == 3
+        assert len(running(pids)) == 3
         parent.kill()
         t0 = time.monotonic()
-        while _running(pids) and time.monotonic() - t0 < 10:
+        while running(pids) and time.monotonic() - t0 < 10:
             time.sleep(0.02)
-        assert not _running(pids)
-        assert _surfaced("parent SIGKILLed, ranks gone", t0) < 2
+        assert not running(pids)
+        assert surfaced("parent process SIGKILLed: all ranks gone", t0) < 2
     finally:
         parent.kill()
         parent.wait()

@@ -8,6 +8,8 @@ import psutil
 import pytest
 from jupyter_client import KernelManager
 
+from conftest import running
+
 
 @pytest.fixture
 def kernel():
@@ -52,16 +54,6 @@ def execute(kc, code, timeout=120):
     return reply["status"], out, ename
 
 
-def _running(pids):
-    """Processes that still run (a zombie has exited; only its parent's bookkeeping is left)."""
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
 
 
 def test_interrupting_the_kernel_stops_the_call_and_the_pool_comes_back(kernel):
@@ -76,7 +68,7 @@ def test_interrupting_the_kernel_stops_the_call_and_the_pool_comes_back(kernel):
     reply, _, ename = wait_done(kc, msg_id, timeout=20)
     assert time.monotonic() - t0 < 5
     assert reply["status"] == "error" and ename == "KeyboardInterrupt"
-    assert not _running(old_pids)
+    assert not running(old_pids)
     status, out, _ = execute(kc, "print(zeronb.run(lambda: 41 + 1, echo=False))")
     assert status == "ok" and "[42, 42]" in out and "per-rank state" in out
 
@@ -102,7 +94,7 @@ def test_ranks_exit_when_the_kernel_dies(kernel):
     assert all(p.is_running() for p in procs)
     os.kill(km.provisioner.process.pid, signal.SIGKILL)  # SIGKILL: no atexit, no cleanup, nothing but the ranks' own watch
     t0 = time.monotonic()
-    while _running(pids) and time.monotonic() - t0 < 5:
+    while running(pids) and time.monotonic() - t0 < 5:
         time.sleep(0.02)
-    assert not _running(pids), f"ranks still alive after the kernel died: {_running(pids)}"
+    assert not running(pids), f"ranks still alive after the kernel died: {running(pids)}"
     assert time.monotonic() - t0 < 2
