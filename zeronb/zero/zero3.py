@@ -141,7 +141,6 @@ class ZeRO3(Engine):
 
     def _gather(self, u, phase):
         """Make sure the unit's full parameters are here (waiting for a prefetch if one is on its way)."""
-        t0 = time.perf_counter()
         needed = not u.gathered
         u.gather()
         u.wait()
