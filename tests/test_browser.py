@@ -66,6 +66,7 @@ def pages(site):
                 animations: document.querySelectorAll('.animation input[type=range], .anim-buttons').length,
                 title: document.title,
                 figures: document.querySelectorAll('img').length,
+                top_bar: document.querySelector('#pst-header')?.offsetHeight || 0,
             })""")
             page.screenshot(path=str(shots / f"{f.replace('/', '_')}.png"), full_page=False)
             seen[f] = dict(info, errors=errors, outside=outside)
@@ -103,3 +104,9 @@ def test_widgets_and_animations_render(pages):
 def test_every_page_has_a_title(pages):
     for f, info in pages.items():
         assert info["title"] and not info["title"].startswith("<no title>"), f
+
+
+def test_no_bar_across_the_top(pages):
+    # pydata-sphinx-theme 0.17 adds one (a second search box) unless navbar_persistent is set empty
+    for f, info in pages.items():
+        assert info["top_bar"] == 0, f"{f}: a {info['top_bar']} px bar across the top of the page"
