@@ -79,3 +79,31 @@ def test_no_dead_internal_links(built):
             elif frag and target in pages and unquote(frag) not in pages[target].ids:
                 dead.append(f"{src.relative_to(built.resolve())}: {href} (no such anchor)")
     assert not dead, "\n".join(dead[:20])
+
+
+def test_every_figure_is_numbered_and_captioned(built):
+    """Each plot, the ring animation and each widget sits in a numbered figure with a caption, and
+    each image has alt text that says what it shows (not its file name)."""
+    from bs4 import BeautifulSoup
+
+    figures, bad = 0, []
+    for f in _toc_files():
+        soup = BeautifulSoup((built / f"{f}.html").read_text(), "html.parser")
+        article = soup.select_one("article") or soup
+        shown = article.select(".cell_output img, .cell_output .animation, "
+                               ".cell_output script[type='application/vnd.jupyter.widget-view+json']")
+        for out in shown:
+            if out.name == "img" and out.find_parent(class_="animation"):
+                continue  # a frame of the animation: the animation itself is the figure
+            what = f"{f}: {out.name} {out.get('src', '')[-24:]}"
+            caption = out.find_parent("figure") and out.find_parent("figure").find("figcaption")
+            number = caption and caption.select_one(".caption-number")
+            if not (number and number.get_text().startswith("Fig.")):
+                bad.append(f"{what}: not in a numbered figure")
+            elif not caption.select_one(".caption-text").get_text(strip=True):
+                bad.append(f"{what}: empty caption")
+            if out.name == "img" and (not out.get("alt") or out["alt"].endswith(".png")):
+                bad.append(f"{what}: no alt text")
+            figures += 1
+    assert figures >= 30, f"only {figures} figures in the whole book?"
+    assert not bad, "\n".join(bad[:20])
