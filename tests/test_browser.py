@@ -1,7 +1,7 @@
 """The rendered book in a real browser (headless Chromium, driven by Playwright), as a reader with no
 internet access meets it: every page loads without console errors and without asking any other host
 for anything; math is typeset; widgets and animation controls render; a screenshot of every page is
-saved in _build/screenshots/ for a person to look at."""
+saved in _build/screenshots/ for a person to look at (the whole page)."""
 import functools
 import http.server
 import shutil
@@ -68,7 +68,8 @@ def pages(site):
                 figures: document.querySelectorAll('img').length,
                 top_bar: document.querySelector('#pst-header')?.offsetHeight || 0,
             })""")
-            page.screenshot(path=str(shots / f"{f.replace('/', '_')}.png"), full_page=False)
+            # the whole page, figures and all, for a person to read through (a few MB each)
+            page.screenshot(path=str(shots / f"{f.replace('/', '_')}.png"), full_page=True)
             seen[f] = dict(info, errors=errors, outside=outside)
             page.close()
         browser.close()
