@@ -96,7 +96,8 @@ def test_every_figure_is_numbered_and_captioned(built):
             if out.name == "img" and out.find_parent(class_="animation"):
                 continue  # a frame of the animation: the animation itself is the figure
             what = f"{f}: {out.name} {out.get('src', '')[-24:]}"
-            caption = out.find_parent("figure") and out.find_parent("figure").find("figcaption")
+            figure = out.find_parent("figure")
+            caption = figure and figure.find("figcaption")
             number = caption and caption.select_one(".caption-number")
             if not (number and number.get_text().startswith("Fig.")):
                 bad.append(f"{what}: not in a numbered figure")
