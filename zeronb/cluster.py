@@ -647,7 +647,9 @@ class Cluster:
             except ProcessLookupError:
                 pass
         dumps: dict[int, str] = {}
-        deadline = time.monotonic() + 1.0
+        # Usually ~0.1 s; on a loaded machine a rank may wait over a second to be scheduled and run
+        # its handler. The wait ends as soon as every dump is in.
+        deadline = time.monotonic() + 3.0
         while len(dumps) < len(alive) and time.monotonic() < deadline:
             time.sleep(0.02)
             for rk in alive:
