@@ -1,12 +1,12 @@
-"""One rank of a zeronb pool: the process that `cluster.py` starts with `python -m zeronb._worker`.
+"""One rank of a zeronb pool: what a process forked by `forkserver.py` runs, `main(authkey)`.
 
 It joins the process group once, then loops: receive a function (or a %%ranks cell) over the
 authenticated control channel, run it, send back the result or the exception. Everything it prints,
 from Python or from C++, goes to its stdout/stderr pipes; after each call it writes an end marker to
 both, so the notebook knows when it has all of a call's output.
 
-A rank's own safety net: it exits when the notebook process goes away (even if the kernel was
-SIGKILLed), and it dumps its Python stack to a file on SIGUSR1, which is how the notebook shows
+A rank's own safety net: it exits when its parent, the helper process, goes away (which the helper
+does when the notebook does, even if the kernel was SIGKILLed), and it dumps its Python stack to a file on SIGUSR1, which is how the notebook shows
 where a blocked rank is stuck.
 """
 import os
@@ -18,17 +18,10 @@ def end_marker(call_id: int) -> bytes:
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    """Exit as soon as the notebook process is gone, even while user code holds the main thread."""
+    """Exit as soon as the parent process is gone, even while user code holds the main thread
+    (on Linux the kernel's PR_SET_PDEATHSIG, set at the fork, is quicker; this is the backup)."""
     import threading
     import time
-
-    if sys.platform.startswith("linux"):  # the kernel tells us at once; the thread below is the backup
-        try:
-            import ctypes
-            import signal
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-        except Exception:
-            pass
 
     def watch():
         while True:
@@ -113,15 +106,26 @@ def _run_cell(source: str, filename: str, namespace: dict):
     return eval(compile(last, filename, "eval"), namespace) if last is not None else None
 
 
-def main() -> None:
+def _init_group(backend: str, store, rank: int, world_size: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # before the group, so NCCL binds this rank to its own GPU
+    pg_timeout = timedelta(seconds=float(os.environ.get("ZERONB_PG_TIMEOUT", "1800")))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
+
+
+def main(authkey: bytes) -> None:
+    """Run rank $RANK of the pool. Configuration comes from the environment (set by cluster.py);
+    the control channel's key is passed in, never through the environment (other users can read
+    that in /proc)."""
     import faulthandler
     import signal
 
-    # Configuration comes from the environment (set by cluster.py), the key from stdin.
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    authkey = bytes.fromhex(sys.stdin.readline().strip())
-    sys.stdin.close()  # input() in a rank gets EOF at once instead of hanging the call
-    sys.stdin = open(os.devnull)
+    sys.stdin = open(os.devnull)  # input() in a rank gets EOF at once instead of hanging the call
     _die_with_parent(int(os.environ["ZERONB_PARENT_PID"]))
 
     faulthandler.enable(file=sys.stderr, all_threads=False)  # a segfault's Python stack, into stderr
@@ -145,21 +149,12 @@ def main() -> None:
     conn.send(("hello", rank, os.getpid()))
 
     backend = os.environ["ZERONB_BACKEND"]
-    if backend == "nccl":
-        torch.cuda.set_device(rank)  # before the group, so NCCL binds this rank to its own GPU
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=False, timeout=timedelta(seconds=60))
-    pg_timeout = timedelta(seconds=float(os.environ.get("ZERONB_PG_TIMEOUT", "1800")))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
+    _init_group(backend, store, rank, world_size)
     _flush_all(0)
     conn.send(("ready", 0, {"pid": os.getpid(), "host": socket.gethostname(), "backend": backend,
                             "torch": torch.__version__}))
-
-    # The first TorchDispatchMode a rank enters (zeronb.ledger's byte counter) imports
-    # torch._dynamo: seconds of CPU. Do it now, while the rank waits for its first call.
-    import importlib
-    import threading
-    threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True).start()
 
     namespace = {"__name__": "__rank__", "__builtins__": __builtins__}  # %%ranks cells share it
     while True:
@@ -169,6 +164,16 @@ def main() -> None:
             break  # the notebook closed the channel: shut down
         if kind == "exit":
             break
+        if kind == "regroup":
+            # A call destroyed the process group (as scripts written for torchrun do at their
+            # end). Join a new one; its keys get their own prefix in the store, away from the
+            # old group's. The notebook asks every rank at once, so they all arrive.
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            _init_group(backend, dist.PrefixStore(f"regroup{blob}/", store), rank, world_size)
+            _flush_all(call_id)
+            conn.send(("ready", call_id, None))
+            continue
         try:
             if kind == "call":
                 fn, args, kwargs = cloudpickle.loads(blob)
@@ -184,7 +189,7 @@ def main() -> None:
             reply = ("error", call_id, describe_exception(e))
         _flush_all(call_id)
         try:
-            conn.send(reply)
+            conn.send(reply + (dist.is_initialized(),))
         except (EOFError, OSError):
             break
 
@@ -194,7 +199,3 @@ def main() -> None:
         pass
     _flush_all(-1)
     os._exit(0)  # skip interpreter teardown: nothing left to clean, and it can hang on gloo threads
-
-
-if __name__ == "__main__":
-    main()

@@ -43,6 +43,7 @@ from multiprocessing.connection import Listener, wait
 import cloudpickle
 
 from . import backend as _backend
+from . import forkserver
 
 DEFAULT_TIMEOUT = 120.0  # seconds; generous for teaching. ZERONB_TIMEOUT overrides it (CI sets it lower)
 START_TIMEOUT = 120.0    # seconds for all ranks to import torch and join the group
@@ -94,6 +95,16 @@ def _validate_world_size(world_size) -> int:
                          f"the limit is {MAX_WORLD_SIZE} (set ZERONB_MAX_WORLD_SIZE to raise it). "
                          "For more ranks, run a script under torchrun on several machines.")
     return world_size
+
+
+def _check_settings(world_size, backend, nodes, threads) -> tuple[str, str]:
+    """Every check on a pool's settings, before anything starts (or stops): (backend, why)."""
+    _validate_world_size(world_size)
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or world_size % nodes:
+        raise ValueError(f"nodes must be a positive int that divides world_size={world_size}, not {nodes!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be a positive int (torch threads per rank), not {threads!r}")
+    return _backend.choose_backend(world_size, backend)
 
 
 def _import_path() -> list[str]:
@@ -195,7 +206,7 @@ def _signal_name(code: int) -> str:
 class _Rank:
     """The notebook's handle on one rank process: its control connection and output pipes."""
 
-    def __init__(self, rank, proc, stack_file):
+    def __init__(self, rank, proc: forkserver.RankProcess, stack_file):
         self.rank = rank
         self.proc = proc
         self.stack_file = stack_file
@@ -203,7 +214,7 @@ class _Rank:
         self.info = {}
         self.buf = {1: b"", 2: b""}       # bytes read from stdout (1) / stderr (2), not yet assigned
         self.printed = {1: 0, 2: 0}       # live mode: how much of buf was already shown
-        self.fds = {proc.stdout.fileno(): 1, proc.stderr.fileno(): 2}
+        self.fds = {proc.stdout_fd: 1, proc.stderr_fd: 2}
         self.open_fds = set(self.fds)
 
 
@@ -221,12 +232,8 @@ class Cluster:
 
     def __init__(self, world_size: int = 2, backend: str = "auto", *, nodes: int = 1,
                  threads: int | None = None, verbose: bool = True):
-        self.world_size = _validate_world_size(world_size)
-        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or world_size % nodes:
-            raise ValueError(f"nodes must be a positive int that divides world_size={world_size}, not {nodes!r}")
-        self.nodes = nodes
-        self.backend, self.why = _backend.choose_backend(world_size, backend)
-        self.requested_backend = backend
+        self.backend, self.why = _check_settings(world_size, backend, nodes, threads)
+        self.world_size, self.nodes, self.requested_backend = world_size, nodes, backend
         # CPU ranks share the cores: one rank's matmul must not use every core (oversubscription
         # makes everything slower), so each gets an equal share unless told otherwise.
         self.threads = threads or max(1, (os.cpu_count() or 1) // world_size)
@@ -247,40 +254,43 @@ class Cluster:
 
     def _start(self) -> None:
         t0 = time.perf_counter()
+        env = dict(os.environ)
+        env.pop("PYTEST_CURRENT_TEST", None)
+        path = _import_path()
+        server = forkserver.helper(env, path, say=self._say)
         self._tmp = tempfile.mkdtemp(prefix="zeronb-")
         key = secrets.token_bytes(32)
         self._listener = Listener(("127.0.0.1", 0), authkey=key, backlog=self.world_size + 4)
         self._store = _backend.loopback_store(self.world_size, timedelta(seconds=START_TIMEOUT))
         host, port = self.control_address = self._listener.address  # closed once the ranks are in
         per_node = self.world_size // self.nodes
-        env = dict(os.environ)
-        env.pop("PYTEST_CURRENT_TEST", None)
         env.update({
             "WORLD_SIZE": str(self.world_size), "LOCAL_WORLD_SIZE": str(per_node),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self._store.port),
-            "ZERONB_HOST": host, "ZERONB_PORT": str(port), "ZERONB_PARENT_PID": str(os.getpid()),
+            "ZERONB_HOST": host, "ZERONB_PORT": str(port),
             "ZERONB_BACKEND": self.backend, "ZERONB_THREADS": str(self.threads),
             "OMP_NUM_THREADS": str(self.threads), "PYTHONUNBUFFERED": "1",
             "GLOO_SOCKET_IFNAME": _backend.loopback_interface(),
-            # the ranks import what this process can import (this zeronb, the notebook's own
-            # modules): functions from importable modules are pickled by reference
-            "PYTHONPATH": os.pathsep.join(_import_path()),
+            # what a rank launched on its own would see: the notebook's import path (this zeronb,
+            # the notebook's own modules: functions from importable modules are pickled by reference)
+            "PYTHONPATH": os.pathsep.join(path),
         })
         self._ranks = []
+        self._generation = 0  # how many times the ranks rebuilt their group after a call destroyed it
         try:
             for r in range(self.world_size):
                 stack_file = os.path.join(self._tmp, f"rank{r}.stack")
                 open(stack_file, "w").close()
                 renv = dict(env, RANK=str(r), LOCAL_RANK=str(r % per_node), GROUP_RANK=str(r // per_node),
                             NODE_RANK=str(r // per_node), ZERONB_STACK_FILE=stack_file)
-                proc = subprocess.Popen([sys.executable, "-m", "zeronb._worker"], env=renv,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, start_new_session=True)
-                proc.stdin.write(key.hex().encode() + b"\n")
-                proc.stdin.close()
+                proc = server.fork(renv, os.getcwd(), path, key)
                 self._ranks.append(_Rank(r, proc, stack_file))
             self._accept(key, time.monotonic() + START_TIMEOUT)
             self._wait(0, time.monotonic() + START_TIMEOUT, starting=True)
+        except forkserver.HelperGone:
+            self._kill()
+            raise RuntimeError("zeronb: the helper process that forks the ranks exited while they were "
+                               "starting; try again (the next start begins a new helper)") from None
         except BaseException:
             self._kill()
             raise
@@ -288,7 +298,7 @@ class Cluster:
             self._listener.close()  # every rank is connected: nothing more may connect
         self._dead_reason = None
         self.start_seconds = time.perf_counter() - t0
-        self._say(f"{self.world_size} ranks ready in {self.start_seconds:.1f} s, {self.why}")
+        self._say(f"{self.world_size} ranks ready in {self.start_seconds:.2f} s, {self.why}")
 
     def _accept(self, key, deadline) -> None:
         """Accept one authenticated connection per rank; a connection with a wrong key is refused
@@ -335,20 +345,16 @@ class Cluster:
         raise RuntimeError("zeronb: ranks failed to start:\n" + "\n".join(lines))
 
     def _kill(self) -> None:
-        """Stop every rank now (SIGKILL to each rank's session: its own children too) and reap it."""
+        """Stop every rank now (SIGKILL to each rank's session: its own children too) and wait
+        until the helper has reaped it."""
         for rk in self._ranks:
-            if rk.proc.poll() is None:
-                try:
-                    os.killpg(rk.proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+            rk.proc.kill()
         for rk in self._ranks:
             try:
                 rk.proc.wait(5)
             except subprocess.TimeoutExpired:
                 pass
-            for f in (rk.proc.stdout, rk.proc.stderr):
-                f.close()
+            rk.proc.close()
             if rk.conn is not None:
                 rk.conn.close()
         self._ranks = []
@@ -555,13 +561,16 @@ class Cluster:
             if died or len(replies) < n:
                 self._raise_start_failure([rk for rk in self._ranks if rk.rank in died] or self._ranks)
             for r, (_, _, info) in replies.items():
-                self._ranks[r].info = info
+                if info is not None:
+                    self._ranks[r].info = info
             return None
 
         if echo and not live:
             _print_grouped(stdout, stderr)
 
         still = [rk.rank for rk in self._ranks if rk.rank not in replies and rk.rank not in died]
+        if not died and not still:
+            self._restore_group(sorted(r for r, rep in replies.items() if not rep[3]))
         errors = {r: rep for r, rep in replies.items() if rep[0] != "ok"}
         if not errors and not died and not still:
             values = [cloudpickle.loads(replies[r][2]) for r in range(n)]
@@ -621,6 +630,27 @@ class Cluster:
         exc_type = RankTimeout if timed_out else RankError
         raise exc_type("\n".join(parts), failed=failed, blocked=still, tracebacks=tracebacks, stacks=stacks,
                        exit_codes=died, stdout=stdout, stderr=stderr)
+
+    def _restore_group(self, lost: list) -> None:
+        """After a call that destroyed the process group on some ranks (`dist.destroy_process_group()`,
+        as a script written for torchrun ends), every rank joins a new one: the pool stays usable
+        and keeps each rank's state. If that fails, the ranks restart on the next call."""
+        if not lost:
+            return
+        self._generation += 1
+        self._call_id += 1
+        msg = pickle.dumps(("regroup", self._call_id, self._generation))
+        try:
+            for rk in self._ranks:
+                rk.conn.send_bytes(msg)
+            self._wait(self._call_id, time.monotonic() + START_TIMEOUT, starting=True)
+        except Exception as e:
+            self._stop("destroyed the process group")
+            self._say(f"rank(s) {_join(lost)} destroyed the process group and a new one could not be made "
+                      f"({_short(str(e).splitlines()[-1])}); the ranks restart on the next call")
+            return
+        self._say(f"rank(s) {_join(lost)} destroyed the process group (dist.destroy_process_group()); "
+                  "every rank joined a new one, so later calls work as before (per-rank state is kept)")
 
     def _split_output(self, marker: bytes):
         stdout, stderr = [], []
@@ -711,7 +741,12 @@ def start(world_size: int = 2, backend: str = "auto", **kw) -> Cluster:
     """Start the notebook's pool of `world_size` ranks, or return it if it is already running with
     the same settings (a different size or backend replaces it)."""
     global _default
-    _validate_world_size(world_size)
+    unknown = set(kw) - {"nodes", "threads", "verbose"}
+    if unknown:
+        raise TypeError(f"zeronb.start() got unknown argument(s) {', '.join(sorted(unknown))}; "
+                        "it takes world_size, backend, nodes, threads and verbose")
+    # a bad setting must not stop the pool that is running
+    _check_settings(world_size, backend, kw.get("nodes", 1), kw.get("threads"))
     if _default is not None and not _default.closed:
         same = (_default.world_size == world_size and _default.requested_backend == backend
                 and all(getattr(_default, k) == v for k, v in kw.items() if k != "verbose"))
