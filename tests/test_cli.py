@@ -18,9 +18,13 @@ def test_doctor():
 
 
 def test_bench_dispatch_prints_its_table():
-    p = _run("-m", "zeronb.bench", "dispatch", "--calls", "20", "--spawns", "1")
+    p = _run("-m", "zeronb.bench", "dispatch", "--world-sizes", "1", "2", "--calls", "20", "--rounds", "1")
     assert p.returncode == 0, p.stdout + p.stderr
-    rows = re.findall(r"^\s+(\d)\s+([\d.]+)s\s+([\d.]+)ms\s+([\d.]+)ms\s+([\d.]+)s\s+(\d+)x$", p.stdout, re.M)
-    assert [r[0] for r in rows] == ["2", "4"], p.stdout
-    for _, start, median, p90, spawn, ratio in rows:
-        assert 0 < float(median) <= float(p90) and float(spawn) > 0 and int(ratio) > 1
+    assert re.search(r"^first pool of the process .*: [\d.]+ s$", p.stdout, re.M), p.stdout
+    num = r"\s+([\d.]+)"
+    rows = re.findall(rf"^\s+(\d){num}s{num}s{num}ms{num}ms{num}ms{num}s{num}s{num}x{num}x$", p.stdout, re.M)
+    assert [r[0] for r in rows] == ["1", "2"], p.stdout
+    for _, start, restart, first50, median, p90, spawn, torchrun, per_start, per_call in rows:
+        assert 0 < float(median) <= float(p90) and float(start) > 0 and float(restart) > 0
+        assert float(spawn) > 0 and float(torchrun) > 0 and float(per_call) > 1
+    assert re.search(r"pool start ~\s+-?\d+ ms \+\s+-?\d+ ms per rank", p.stdout), p.stdout

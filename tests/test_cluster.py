@@ -221,3 +221,42 @@ def test_run_on_a_closed_cluster():
     c.close()
     with pytest.raises(RuntimeError, match="closed"):
         c.run(int)
+
+
+def test_a_call_that_destroys_the_group_leaves_a_working_pool(capsys):
+    def all_reduce():
+        t = torch.ones(2) * (dist.get_rank() + 1)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    with Cluster(3) as c:
+        pids = c.pids
+        c.run_cell("kept = 41", "<setup>", echo=False)
+        capsys.readouterr()
+        c.run(dist.destroy_process_group, echo=False)  # how scripts written for torchrun end
+        out = capsys.readouterr().out
+        assert "rank(s) 0, 1, 2 destroyed the process group" in out and "joined a new one" in out
+        assert c.run(all_reduce, echo=False) == [[6.0, 6.0]] * 3
+        # on one rank only: the others leave their group too, and all join a new one
+        c.run(lambda: dist.get_rank() == 1 and dist.destroy_process_group(), echo=False)
+        assert "rank(s) 1 destroyed the process group" in capsys.readouterr().out
+        assert c.run(all_reduce, echo=False) == [[6.0, 6.0]] * 3
+        assert c.pids == pids and c.run_cell("kept", "<check>", echo=False) == [41] * 3  # state kept
+
+
+def test_bad_settings_leave_the_running_pool_alone():
+    try:
+        a = zeronb.start(2, verbose=False)
+        pids = a.pids
+        with pytest.raises(ValueError, match="backend must be one of"):
+            zeronb.start(3, backend="mpi")
+        with pytest.raises(ValueError, match="divides"):
+            zeronb.start(3, nodes=2)
+        with pytest.raises(ValueError, match="threads"):
+            zeronb.start(3, threads=0)
+        with pytest.raises(TypeError, match="unknown argument"):
+            zeronb.start(3, colour="red")
+        assert zeronb.current() is a and running(pids) == pids
+        assert zeronb.run(dist.get_world_size, echo=False) == [2, 2]
+    finally:
+        zeronb.shutdown()

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import running, surfaced
-from zeronb import Cluster, RankError, RankTimeout
+from zeronb import Cluster, RankError, RankTimeout, forkserver
 
 
 @pytest.fixture
@@ -314,3 +314,78 @@ def test_soak_1000_dispatches_memory_stays_flat():
     print(f"soak: 1000 dispatches in {took:.1f} s; rank RSS {[r >> 20 for r in rss0]} -> {[r >> 20 for r in rss1]} MiB")
     for a, b in zip(rss0, rss1):
         assert b < 1.10 * a, f"rank memory grew {a >> 20} -> {b >> 20} MiB"
+
+
+# --- the helper process that forks the ranks ---------------------------------------------------
+
+def _helper_pid(c: Cluster) -> int:
+    parents = {psutil.Process(p).ppid() for p in c.pids}
+    assert len(parents) == 1, parents
+    return parents.pop()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_helper_holds_no_cuda_and_no_threads_when_it_forks():
+    with Cluster(2, verbose=False) as c:
+        helper = _helper_pid(c)
+        assert helper == forkserver.helper().pid and helper != os.getpid()
+        assert helper not in [p.pid for p in psutil.Process().children(recursive=True)]  # detached
+        # measured from outside, between two forks: one thread (no OpenMP or BLAS pool), the CUDA
+        # driver never loaded, torch and torch._dynamo already imported
+        tasks = os.listdir(f"/proc/{helper}/task")
+        maps = open(f"/proc/{helper}/maps").read()
+        assert len(tasks) == 1, [open(f"/proc/{helper}/task/{t}/comm").read().strip() for t in tasks]
+        assert "libcuda.so" not in maps
+        assert "libtorch_cpu" in maps
+        modules = c.run(lambda: sorted({"torch._dynamo", "cloudpickle", "zeronb.ledger"} & set(sys.modules)),
+                        echo=False)
+        assert modules[0] == ["cloudpickle", "torch._dynamo", "zeronb.ledger"]
+
+
+def test_restarts_fork_from_the_same_helper():
+    with Cluster(2, verbose=False) as c:
+        helper, pids = _helper_pid(c), c.pids
+        with pytest.raises(RankError):
+            c.run(os._exit, 3, echo=False)
+        assert c.run(dist.get_world_size, echo=False) == [2, 2]
+        assert c.pids != pids and _helper_pid(c) == helper
+
+
+def test_a_killed_helper_is_reported_and_replaced(capfd):
+    with Cluster(2, verbose=False) as c:
+        helper = _helper_pid(c)
+        os.kill(helper, signal.SIGKILL)
+        t0 = time.monotonic()
+        while running(c.pids) and time.monotonic() - t0 < 5:
+            time.sleep(0.02)
+        assert not running(c.pids), "ranks outlived the helper that forked them"
+        with pytest.raises(RankError) as e:  # the call meets ranks that are gone, and says why
+            c.run(int, echo=False)
+        assert "because the helper process that forked them exited" in str(e.value)
+        surfaced("helper SIGKILLed between calls: the next call", t0)
+        capfd.readouterr()
+        assert c.run(dist.get_rank, echo=False) == [0, 1]  # restarted, on a new helper
+        assert f"helper process that forks the ranks (pid {helper}) exited; starting a new one" in capfd.readouterr().err
+        assert _helper_pid(c) not in (helper, os.getpid())
+
+
+def test_the_helper_exits_with_its_notebook():
+    script = textwrap.dedent("""
+        import psutil, time, zeronb
+        c = zeronb.Cluster(2, verbose=False)
+        print(psutil.Process(c.pids[0]).ppid(), *c.pids, flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(running(pids)) == 3
+        parent.kill()
+        t0 = time.monotonic()
+        while running(pids) and time.monotonic() - t0 < 10:
+            time.sleep(0.02)
+        assert not running(pids), "the helper or its ranks outlived the notebook"
+        assert surfaced("parent SIGKILLed: the helper and its ranks gone", t0) < 2
+    finally:
+        parent.kill()
+        parent.wait()

@@ -98,3 +98,22 @@ def test_ranks_exit_when_the_kernel_dies(kernel):
         time.sleep(0.02)
     assert not running(pids), f"ranks still alive after the kernel died: {running(pids)}"
     assert time.monotonic() - t0 < 2
+
+
+def test_importing_zeronb_in_a_kernel_starts_the_helper_which_dies_with_the_kernel(kernel):
+    km, kc = kernel
+    status, out, _ = execute(kc, "import zeronb\nfrom zeronb import forkserver\n"
+                                 "h = forkserver._helper\nh.wait_ready()\nprint(h.pid)")
+    assert status == "ok", out  # forkserver._helper is None unless the import started it
+    helper = int(out)
+    # started at import, before any pool: a detached process, not the kernel's child
+    assert helper not in [p.pid for p in psutil.Process(km.provisioner.process.pid).children(recursive=True)]
+    status, out, _ = execute(kc, "c = zeronb.start(2, verbose=False)\nprint(c.helper_pid, *c.pids)")
+    assert status == "ok", out
+    pids = [int(p) for p in out.split()]
+    assert pids[0] == helper and len(running(pids)) == 3
+    os.kill(km.provisioner.process.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    while running(pids) and time.monotonic() - t0 < 5:
+        time.sleep(0.02)
+    assert not running(pids), f"helper or ranks still alive after the kernel died: {running(pids)}"

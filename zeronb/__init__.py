@@ -9,8 +9,24 @@ Runs real multi-process torch.distributed code from notebook cells:
 
 or, in IPython/Jupyter, `%load_ext zeronb` and a cell that starts with `%%ranks -n 4`.
 Inside a rank, code uses plain torch.distributed; zeronb only launches, counts and draws.
+
+In IPython and Jupyter, importing zeronb also starts the helper process that ranks are forked from
+(see zeronb.forkserver), so that its import of torch overlaps with the notebook's own cells.
 """
-from .backend import device
+import sys
+
+
+def _in_ipython() -> bool:
+    ipython = sys.modules.get("IPython")
+    return ipython is not None and ipython.get_ipython() is not None
+
+
+if _in_ipython():  # before importing torch here, so that both imports run at once
+    from . import forkserver
+
+    forkserver.prestart()
+
+from .backend import device  # noqa: E402
 from .cluster import Cluster, RankError, RankResults, RankTimeout, current, run, shutdown, start
 
 __version__ = "0.1.0"

@@ -6,10 +6,11 @@
 How it works, in the order things happen:
 
 1. `Cluster` hosts the rendezvous store (a TCPStore on 127.0.0.1, port picked by the OS) and an
-   authenticated control channel (multiprocessing.connection with a random key), then starts each
-   rank as a separate process, `python -m zeronb._worker`, in a new session. Separate processes,
-   not fork or multiprocessing spawn: safe after the notebook used CUDA or OpenMP, and a new session
-   keeps Jupyter's interrupt from killing idle ranks.
+   authenticated control channel (multiprocessing.connection with a random key), then has each
+   rank forked from the helper process of `forkserver.py`, which has imported torch once: a rank
+   is ready in milliseconds, not the seconds of importing torch again. The helper is a fresh
+   process, never a fork of the notebook: safe after the notebook used CUDA or OpenMP. Each rank
+   runs in a new session, which keeps Jupyter's interrupt from killing idle ranks.
 2. Each rank joins the process group once; every later call reuses it, so a call costs
    milliseconds, not the seconds of starting processes.
 3. `run` pickles the function by value with cloudpickle (functions, closures and classes defined in
@@ -105,12 +106,6 @@ def _check_settings(world_size, backend, nodes, threads) -> tuple[str, str]:
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be a positive int (torch threads per rank), not {threads!r}")
     return _backend.choose_backend(world_size, backend)
-
-
-def _import_path() -> list[str]:
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    paths = [here] + [os.path.abspath(p or os.getcwd()) for p in sys.path]
-    return list(dict.fromkeys(p for p in paths if os.path.isdir(p)))
 
 
 def _default_timeout() -> float:
@@ -256,8 +251,11 @@ class Cluster:
         t0 = time.perf_counter()
         env = dict(os.environ)
         env.pop("PYTEST_CURRENT_TEST", None)
-        path = _import_path()
+        path = forkserver.import_path()
         server = forkserver.helper(env, path, say=self._say)
+        server.wait_ready()  # the first pool of a process waits here while the helper imports torch
+        self.helper_wait_seconds = time.perf_counter() - t0
+        self.helper_pid = server.pid
         self._tmp = tempfile.mkdtemp(prefix="zeronb-")
         key = secrets.token_bytes(32)
         self._listener = Listener(("127.0.0.1", 0), authkey=key, backlog=self.world_size + 4)
@@ -298,7 +296,9 @@ class Cluster:
             self._listener.close()  # every rank is connected: nothing more may connect
         self._dead_reason = None
         self.start_seconds = time.perf_counter() - t0
-        self._say(f"{self.world_size} ranks ready in {self.start_seconds:.2f} s, {self.why}")
+        waited = (f" ({self.helper_wait_seconds:.1f} s of it importing torch, once per process)"
+                  if self.helper_wait_seconds > 0.1 else "")
+        self._say(f"{self.world_size} ranks ready in {self.start_seconds:.2f} s{waited}, {self.why}")
 
     def _accept(self, key, deadline) -> None:
         """Accept one authenticated connection per rank; a connection with a wrong key is refused
@@ -589,9 +589,11 @@ class Cluster:
         for r, rep in sorted(errors.items()):
             tracebacks[r] = (_format_chain(rep[2]) if rep[0] == "error" else
                              f"TypeError: returned a value that cannot be sent back to the notebook ({rep[2]})")
+        orphaned = {r for r in died if self._ranks[r].proc.orphaned}  # the helper died, and they with it
         for r, code in sorted(died.items()):
             err = stderr[r].strip()
             tracebacks[r] = f"the rank process {_signal_name(code)}" + (
+                " when the helper process that forked it exited (ranks die with it)" if r in orphaned else "") + (
                 f"; its last output on stderr:\n{err[-4000:]}" if err else "")
         failed = sorted(set(errors) | set(died))
         timed_out = not failed
@@ -606,7 +608,8 @@ class Cluster:
             raised = sorted(errors)
             if died:
                 parts.append(f"rank(s) {_join(sorted(died))} died ("
-                             + "; ".join(f"rank {r} {_signal_name(c)}" for r, c in sorted(died.items())) + ")")
+                             + "; ".join(f"rank {r} {_signal_name(c)}" for r, c in sorted(died.items())) + ")"
+                             + (" because the helper process that forked them exited" if orphaned else ""))
             if raised:
                 parts.append(f"rank(s) {_join(raised)} raised ("
                              + "; ".join(f"rank {r}: {_short(_first_line(tracebacks[r]))}" for r in raised) + ")"

@@ -228,6 +228,14 @@ class ForkServer:
             self._sock = None
 
 
+def import_path() -> list[str]:
+    """Where a rank imports from: this zeronb first, then what the notebook can import (its own
+    modules too: functions from importable modules are pickled by reference)."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = [here] + [os.path.abspath(p or os.getcwd()) for p in sys.path]
+    return list(dict.fromkeys(p for p in paths if os.path.isdir(p)))
+
+
 def _stamp(env: dict) -> tuple:
     """What the helper's imports depend on: the interpreter, the environment variables read at
     import time, and zeronb's source files (edited while a notebook runs)."""
@@ -265,9 +273,7 @@ def helper(env: dict | None = None, path: list | None = None, say=print) -> Fork
                 old.close()
                 old = None
         if old is None:
-            from .cluster import _import_path
-
-            _helper = ForkServer(env, path or _import_path())
+            _helper = ForkServer(env, path or import_path())
         return _helper
 
 
