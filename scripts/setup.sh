@@ -5,12 +5,15 @@
 #  - Otherwise torch==2.13.0 is installed first: on the machines this course is
 #    tested on that is a CPU wheel on disk; an unpinned torch would pull a
 #    multi-GB CUDA build.
+#  - Everything else at the versions in constraints.txt (scripts/refresh_constraints.sh
+#    makes it), so that every machine builds the same book; on a Python those pins
+#    do not install on, the newest versions that do, saying so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${ZERONB_VENV:-.venv}
 stamp="$VENV/.zeronb-setup"
-want=$(cat requirements.txt pyproject.toml | sha256sum | cut -c1-16)
+want=$(cat requirements.txt constraints.txt pyproject.toml | sha256sum | cut -c1-16)
 
 # the book's browser scripts, served by the site itself (idempotent; needs npm the first time)
 bash scripts/fetch_assets.sh
@@ -28,11 +31,16 @@ if [ ! -x "$VENV/bin/python" ]; then
   fi
 fi
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+pinned() {
+  pip install -c constraints.txt "$@" && return
+  echo "setup: the versions pinned in constraints.txt do not install with $("$VENV/bin/python" --version); installing the newest that do"
+  pip install "$@"
+}
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "setup: installing torch==2.13.0 (CPU build)"
-  pip install "torch==2.13.0"
+  pinned "torch==2.13.0"
 fi
-echo "setup: installing requirements and zeronb into $VENV"
-pip install -r requirements.txt
+echo "setup: installing requirements (pinned by constraints.txt) and zeronb into $VENV"
+pinned -r requirements.txt
 pip install --no-deps -e .
 echo "$want" > "$stamp"

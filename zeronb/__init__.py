@@ -27,7 +27,8 @@ if _in_ipython():  # before importing torch here, so that both imports run at on
     forkserver.prestart()
 
 from .backend import device  # noqa: E402
-from .cluster import Cluster, RankError, RankResults, RankTimeout, current, run, shutdown, start
+from .cluster import Cluster, RankResults, current, run, shutdown, start  # noqa: E402
+from .errors import RankError, RankTimeout  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["Cluster", "RankError", "RankResults", "RankTimeout", "current", "device", "run",

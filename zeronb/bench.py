@@ -91,7 +91,8 @@ def dispatch(sizes=(1, 2, 4, 8), calls=300, rounds=3, baselines=True) -> dict:
     and the alternatives of starting the ranks per call (torch.multiprocessing.spawn, torchrun).
     Each round does all of them in turn, so a slow moment of the machine hits every column."""
     from . import forkserver
-    from .cluster import Cluster, RankError
+    from .cluster import Cluster
+    from .errors import RankError
 
     forkserver.close()  # the first start pays the helper's import of torch: measure that once
     t0 = time.perf_counter()

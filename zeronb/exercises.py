@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .cluster import RankError, RankTimeout, start
+from .cluster import start
+from .errors import RankError, RankTimeout
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 
