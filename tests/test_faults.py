@@ -330,13 +330,14 @@ def test_the_helper_holds_no_cuda_and_no_threads_when_it_forks():
         helper = _helper_pid(c)
         assert helper == forkserver.helper().pid and helper != os.getpid()
         assert helper not in [p.pid for p in psutil.Process().children(recursive=True)]  # detached
-        # measured from outside, between two forks: one thread (no OpenMP or BLAS pool), the CUDA
-        # driver never loaded, torch and torch._dynamo already imported
+        # measured from outside, between two forks: one thread (no OpenMP or BLAS pool, no CUDA
+        # driver threads), no GPU device open (a CUDA build maps libcuda at import, but only
+        # initialising CUDA opens /dev/nvidia*), torch and torch._dynamo already imported
         tasks = os.listdir(f"/proc/{helper}/task")
-        maps = open(f"/proc/{helper}/maps").read()
         assert len(tasks) == 1, [open(f"/proc/{helper}/task/{t}/comm").read().strip() for t in tasks]
-        assert "libcuda.so" not in maps
-        assert "libtorch_cpu" in maps
+        open_files = [os.readlink(f"/proc/{helper}/fd/{fd}") for fd in os.listdir(f"/proc/{helper}/fd")]
+        assert not [f for f in open_files if f.startswith("/dev/nvidia")], open_files
+        assert "libtorch_cpu" in open(f"/proc/{helper}/maps").read()
         modules = c.run(lambda: sorted({"torch._dynamo", "cloudpickle", "zeronb.ledger"} & set(sys.modules)),
                         echo=False)
         assert modules[0] == ["cloudpickle", "torch._dynamo", "zeronb.ledger"]
