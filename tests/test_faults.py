@@ -369,24 +369,3 @@ def test_a_killed_helper_is_reported_and_replaced(capfd):
         assert f"helper process that forks the ranks (pid {helper}) exited; starting a new one" in capfd.readouterr().err
         assert _helper_pid(c) not in (helper, os.getpid())
 
-
-def test_the_helper_exits_with_its_notebook():
-    script = textwrap.dedent("""
-        import psutil, time, zeronb
-        c = zeronb.Cluster(2, verbose=False)
-        print(psutil.Process(c.pids[0]).ppid(), *c.pids, flush=True)
-        time.sleep(600)
-    """)
-    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        pids = [int(p) for p in parent.stdout.readline().split()]
-        assert len(running(pids)) == 3
-        parent.kill()
-        t0 = time.monotonic()
-        while running(pids) and time.monotonic() - t0 < 10:
-            time.sleep(0.02)
-        assert not running(pids), "the helper or its ranks outlived the notebook"
-        assert surfaced("parent SIGKILLed: the helper and its ranks gone", t0) < 2
-    finally:
-        parent.kill()
-        parent.wait()
