@@ -35,7 +35,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 
 START_TIMEOUT = 120.0  # seconds for the helper to import torch (a cold disk, a busy machine)
 
@@ -161,8 +160,6 @@ class ForkServer:
         self._sock = mine
         self._lock = threading.Lock()
         self.pid = None
-        self.started = time.monotonic()
-        self.ready_seconds = None
         launcher.wait()
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
@@ -181,7 +178,6 @@ class ForkServer:
                 detail = msg[1] if msg else "it exited (its error, if any, is on the notebook server's stderr)"
                 raise RuntimeError(f"zeronb: the helper process that forks the ranks failed to start: {detail}")
             self.pid = msg[1]
-            self.ready_seconds = time.monotonic() - self.started
 
     def alive(self) -> bool:
         """False once the helper has exited: its end of the socket is closed, so ours reads EOF
