@@ -107,14 +107,13 @@ def _run_cell(source: str, filename: str, namespace: dict):
 
 
 def _init_group(backend: str, store, rank: int, world_size: int) -> None:
-    import torch
-    import torch.distributed as dist
     from datetime import timedelta
 
-    if backend == "nccl":
-        torch.cuda.set_device(rank)  # before the group, so NCCL binds this rank to its own GPU
-    pg_timeout = timedelta(seconds=float(os.environ.get("ZERONB_PG_TIMEOUT", "1800")))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
+    from zeronb.backend import join_group, rank_device
+
+    timeout = timedelta(seconds=float(os.environ.get("ZERONB_PG_TIMEOUT", "1800")))
+    join_group(backend, rank_device(backend, rank), store=store, rank=rank, world_size=world_size,
+               timeout=timeout)
 
 
 def main(authkey: bytes) -> None:

@@ -5,6 +5,7 @@ the rest of zeronb, the notebooks and the tests can stay the same everywhere.
 """
 from __future__ import annotations
 
+import os
 import socket
 import sys
 
@@ -56,11 +57,50 @@ def rank_device(backend: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
 
 
+def group_backend(backend: str) -> str:
+    """What `init_process_group` is given. An NCCL pool is a group per device type: CUDA tensors go
+    over NCCL, CPU tensors over gloo, so that a lesson's small CPU tensor (a count, a flag) never
+    fails with "No backend type associated with device type cpu". Inside such a group,
+    `dist.get_backend()` reads "cpu:gloo,cuda:nccl"; `backend_for(tensor)` says which one a tensor
+    takes."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
+_rank_device: torch.device | None = None  # set once by join_group: the same in every thread
+
+
+def join_group(backend: str, device: torch.device, *, store=None, rank: int = -1, world_size: int = -1,
+               timeout=None) -> None:
+    """Join the default process group as rank `rank` on `device`: what every rank does once (a
+    pool's rank, a torchrun process). Under NCCL the rank binds its GPU first (`set_device` and
+    `device_id`), so that NCCL never guesses it from the rank number."""
+    global _rank_device
+    kw = {"timeout": timeout} if timeout is not None else {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        kw["device_id"] = device
+    dist.init_process_group(group_backend(backend), store=store, rank=rank, world_size=world_size, **kw)
+    _rank_device = device
+
+
 def device() -> torch.device:
-    """Inside a rank: the device this rank's tensors should live on."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+    """Inside a rank: the device this rank's tensors should live on - its GPU in an NCCL group,
+    the CPU otherwise. It does not depend on the calling thread (unlike torch.cuda.current_device)."""
+    if _rank_device is not None and dist.is_initialized():
+        return _rank_device
+    if dist.is_initialized() and backend_for("cuda") == "nccl":  # a group zeronb did not create
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank())))
     return torch.device("cpu")
+
+
+def backend_for(what="cpu", group=None) -> str:
+    """The backend that carries tensors of this kind (a tensor, a device or "cpu"/"cuda") in the
+    group: "gloo" or "nccl". Ask this rather than compare `dist.get_backend()` with "nccl", which
+    reads "cpu:gloo,cuda:nccl" in a group with a backend per device."""
+    kind = what.device.type if isinstance(what, torch.Tensor) else torch.device(what).type
+    config = str(dist.get_backend_config(group)) if hasattr(dist, "get_backend_config") else dist.get_backend(group)
+    per_device = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
+    return per_device.get(kind, config if ":" not in config else "")
 
 
 def loopback_interface() -> str:

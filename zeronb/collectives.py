@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from . import ledger
+from .backend import backend_for
 from .shards import bounds, chunk_size, padded_numel, shard_numel
 
 SEGMENT_BYTES = 2 << 20  # pipeline granularity: small enough to overlap, big enough to amortise a send
@@ -152,20 +153,21 @@ def _all_gather_steps(chunks):
                   (rank - s - 1) % n) for s in range(n - 1)]
 
 
-def _receives_ahead() -> int:
+def _receives_ahead(tensor: torch.Tensor) -> int:
     """How many steps ahead a receive is posted. gloo moves no byte of a send until the receiver has
     posted the receive, so a receive posted late stalls the sender, and the stall travels round the
     ring: post it two steps ahead, as soon as its buffer is free. NCCL runs a rank's sends and
     receives to one peer in order on one stream, so a receive posted ahead of the send it must
     follow would wait for itself (with 2 ranks the next and previous rank are the same peer): there
-    each step's send and receive go out together, one group, and the GPU queues them anyway."""
-    return 2 if dist.get_backend() == "gloo" else 1
+    each step's send and receive go out together, one group, and the GPU queues them anyway.
+    (In an NCCL pool, CPU tensors still go over gloo: what counts is the tensor's backend.)"""
+    return 2 if backend_for(tensor) == "gloo" else 1
 
 
 def _run_ring(steps, op: str, segment_bytes: int) -> None:
     """Run the steps as a pipeline: each chunk is cut into segments, and a segment is forwarded
     (step i+1's send) as soon as it has arrived and been added (step i), while later segments are
-    still on the wire. Receives are posted `_receives_ahead()` steps early.
+    still on the wire. Receives are posted `_receives_ahead(...)` steps early.
 
     Messages between two ranks match in the order they are posted, so sends and receives are both
     posted step by step, segment by segment. A buffer is written only once the send that read it
@@ -178,7 +180,7 @@ def _run_ring(steps, op: str, segment_bytes: int) -> None:
     rank, n = _world()
     nxt, prv = (rank + 1) % n, (rank - 1) % n
     segments = _segments(steps[0].recv.numel(), steps[0].recv.element_size(), segment_bytes)
-    ahead = _receives_ahead()
+    ahead = _receives_ahead(steps[0].recv)
     trace = ledger.recording()
     started, sends, recvs = {}, {}, {}
 
@@ -188,7 +190,7 @@ def _run_ring(steps, op: str, segment_bytes: int) -> None:
         ops = []
         if send_step is not None:
             if trace and send_step not in started:
-                started[send_step] = ledger.now()
+                started[send_step] = ledger.now(steps[send_step].send.device)
             ops.append(dist.P2POp(dist.isend, steps[send_step].send[a:b], nxt))
         if recv_step is not None:
             ops.append(dist.P2POp(dist.irecv, steps[recv_step].recv[a:b], prv))
@@ -223,7 +225,7 @@ def _run_ring(steps, op: str, segment_bytes: int) -> None:
                 post(k, recv_step=later)
         if trace:
             in_phase = sum(1 for earlier in steps[:i] if earlier.phase == step.phase)  # steps restart per phase
-            nbytes, end = step.recv.numel() * step.recv.element_size(), ledger.now()
+            nbytes, end = step.recv.numel() * step.recv.element_size(), ledger.now(step.recv.device)
             common = dict(op=op, phase=step.phase, step=in_phase, bytes=nbytes, start=started[i], end=end)
             ledger.record(kind="send", src=rank, dst=nxt, chunk=step.send_chunk, **common)
             ledger.record(kind="recv", src=prv, dst=rank, chunk=step.recv_chunk, **common)

@@ -181,5 +181,10 @@ def record(**event) -> None:
         ledger.record(**event)
 
 
-def now() -> float:
+def now(device=None) -> float:
+    """Seconds on this rank's clock, for a trace. For work on a GPU pass its device: the clock is
+    read once the work queued on it so far has finished (CUDA calls return before the data moves),
+    so that a trace shows when the work ran, not when it was launched."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
     return time.perf_counter()

@@ -106,11 +106,21 @@ def measure(params=(), grads=(), optimizer=()) -> dict:
     return {"params": tensor_bytes(params), "grads": tensor_bytes(grads), "optimizer": tensor_bytes(optimizer)}
 
 
-def cuda_memory() -> dict:
-    """On a GPU: what the caching allocator says (allocated now, and the peak since the last reset)."""
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+def reset_cuda_peak(device) -> None:
+    """Start a new peak for `cuda_memory` (the allocator's peak otherwise spans every earlier
+    measurement in the process)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def cuda_memory(device) -> dict:
+    """On a GPU: what the caching allocator says of `device` - allocated now, and the peak since
+    `reset_cuda_peak`. Nothing on the CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
         return {}
-    return {"allocated": torch.cuda.memory_allocated(), "peak": torch.cuda.max_memory_allocated()}
+    return {"cuda_allocated": torch.cuda.memory_allocated(device), "cuda_peak": torch.cuda.max_memory_allocated(device)}
 
 
 @contextmanager

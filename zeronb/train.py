@@ -60,37 +60,47 @@ def _config(args) -> Config:
 
 # --- the reference: one process, the whole batch ---------------------------------------------------
 
-def train_single(args) -> dict:
-    """Plain training in one process on the whole global batch: what every stage must reproduce."""
+def train_single(args, device=None) -> dict:
+    """Plain training in one process on the whole global batch: what every stage must reproduce.
+    It runs where a 1-rank pool would (the GPU, if there is one) and keeps its gradients between
+    steps as DDP's buckets do, so that its report counts what stage 0 counts."""
+    from .backend import choose_backend, rank_device
+
+    dev = torch.device(device) if device is not None else rank_device(choose_backend(1)[0], 0)
     cfg, dtype = _config(args), model_dtype(args.dtype)
-    model = make_model(cfg, dtype)
+    model = make_model(cfg, dtype, dev)
     params = list(model.parameters())
     mixed = args.dtype == "bf16-mixed"
     master = [p.detach().float().clone() for p in params] if mixed else params
     opt = torch.optim.Adam(master, lr=args.lr, foreach=False)
+    memory.reset_cuda_peak(dev)
     losses, times = [], []
     for step in range(args.steps):
         t0 = time.perf_counter()
-        x, y = global_batch(cfg, step, dtype)
+        x, y = global_batch(cfg, step, dtype, dev)
         loss = model.loss(model(x), y)
+        for p in params:  # zeroed in place, as DDP zeroes its buckets: the buffers stay
+            if p.grad is not None:
+                p.grad.zero_()
         loss.backward()
         if mixed:
             for m, p in zip(master, params):
                 m.grad = p.grad.float()
         opt.step()
-        opt.zero_grad(set_to_none=True)
         if mixed:
             with torch.no_grad():
                 for m, p in zip(master, params):
                     p.copy_(m)
-        for p in params:
-            p.grad = None
+                    m.grad = None  # the fp32 copy of a gradient lives only for the step
         losses.append(loss.item())
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
-    state = {"params": params, "grads": [], "optimizer": memory.optimizer_tensors(opt) + (master if mixed else [])}
-    rank_report = _rank_report(args, model, state, {}, times, world_size=1, rank=0)
+    state = {"params": params, "grads": [p.grad for p in params],
+             "optimizer": memory.optimizer_tensors(opt) + (master if mixed else [])}
+    rank_report = _rank_report(args, model, state, {}, times, world_size=1, rank=0, device=dev)
     return {"losses": losses, "ranks": [rank_report],
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+            "params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()}}
 
 
 # --- one rank of a distributed run ---------------------------------------------------------------
@@ -116,6 +126,7 @@ def train_rank(args) -> dict:
     dev = device()
     model = make_model(cfg, dtype, dev)
     engine = _engine(args, model)
+    memory.reset_cuda_peak(dev)  # the peak this run reaches, not an earlier call's on this rank
     losses, times = [], []
     for step in range(args.steps):
         x, y = local_batch(cfg, step, rank, n, dtype, dev)
@@ -129,7 +140,7 @@ def train_rank(args) -> dict:
     sent, calls = dict(ledger.by_op), dict(ledger.calls)  # the last step's traffic
     loss = torch.tensor([losses[-1]], dtype=torch.float64, device=dev)
     dist.all_reduce(loss)  # equal local batches: the mean of local losses is the global batch's loss
-    report = _rank_report(args, model, engine.state_tensors(), sent, times, n, rank)
+    report = _rank_report(args, model, engine.state_tensors(), sent, times, n, rank, dev)
     report["final_loss"] = loss.item() / n
     report["calls_per_step"] = calls
     report["memory_timeline"] = getattr(engine, "memory", [])
@@ -139,14 +150,14 @@ def train_rank(args) -> dict:
     return report
 
 
-def _rank_report(args, model, state, sent, times, world_size, rank) -> dict:
+def _rank_report(args, model, state, sent, times, world_size, rank, device) -> dict:
     psi = num_params(model)
     per = memory.PRECISIONS[args.dtype]
     expected = memory.model_state_breakdown(psi, world_size, args.stage if world_size > 1 else 0, *per)
     steady = times[1:] or times  # the first step pays for warm-up (allocations, connections)
     return {"rank": rank, "bytes": memory.measure(**state), "expected_bytes": expected,
             "sent_bytes_per_step": sent, "step_ms": statistics.median(steady) * 1e3,
-            "num_params": psi, **memory.cuda_memory()}
+            "num_params": psi, "device": str(device), **memory.cuda_memory(device)}
 
 
 # --- putting it together ---------------------------------------------------------------------------
@@ -181,12 +192,15 @@ def run(args) -> dict:
 
 
 def _join_torchrun_group() -> None:
-    """Under torchrun: join its process group (env:// reads RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
-    if torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl")
+    """Under torchrun: join its process group (env:// reads RANK, WORLD_SIZE, MASTER_ADDR/PORT),
+    on this node's GPU LOCAL_RANK where every local rank has one, on the CPU otherwise."""
+    from .backend import cuda_device_count, join_group
+
+    local_rank, per_node = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if dist.is_nccl_available() and cuda_device_count() >= per_node:
+        join_group("nccl", torch.device("cuda", local_rank))
     else:
-        dist.init_process_group("gloo")
+        join_group("gloo", torch.device("cpu"))
 
 
 def main(argv=None) -> int:

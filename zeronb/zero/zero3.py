@@ -24,12 +24,12 @@ references to the same storage, so the tensors it saved for backward see the re-
 """
 from __future__ import annotations
 
-import time
 import warnings
 
 import torch
 import torch.distributed as dist
 
+from .. import ledger
 from ..backend import all_gather_single, reduce_scatter_single
 from .common import Bucket, ShardAdam, average_
 from .engine import Engine
@@ -65,7 +65,7 @@ class Unit:
             return
         self.flat.data.untyped_storage().resize_(self.nbytes)
         # write through .data: autograd must not see this as an in-place change of a saved tensor
-        self.issued = time.perf_counter()
+        self.issued = ledger.now(self.shard.device)
         self.work = all_gather_single(self.flat.data.data, self.shard, async_op=True)
         if not async_op:
             self.wait()
@@ -110,7 +110,7 @@ class ZeRO3(Engine):
         self._note(f"forward {u.index}")
 
     def _after_forward(self, u):
-        self.events.append(("forward", u.index, u.t_compute, time.perf_counter()))
+        self.events.append(("forward", u.index, u.t_compute, self._now()))
         last = u.index == len(self.units) - 1   # its backward comes next: keep it
         if self.reshard_after_forward and not last:
             u.free()
@@ -128,13 +128,13 @@ class ZeRO3(Engine):
         if u.pending:
             return
         # the unit's gradients are complete: reduce-scatter them, keep chunk r, free everything full
-        t0 = time.perf_counter()
+        t0 = self._now()
         self.events.append(("backward", u.index, u.t_compute, t0))
         full = u.flat.flatten_grads()
         for q in u.flat.params:
             q.grad = None
         reduce_scatter_single(u.grad_shard, full)
-        self.events.append(("reduce-scatter", u.index, t0, time.perf_counter()))
+        self.events.append(("reduce-scatter", u.index, t0, self._now()))
         del full
         u.free()
         self._note(f"after backward {u.index}")
@@ -145,12 +145,16 @@ class ZeRO3(Engine):
         u.gather()
         u.wait()
         if needed:
-            self.events.append((f"all-gather ({phase})", u.index, u.issued, time.perf_counter()))
-        u.t_compute = time.perf_counter()
+            self.events.append((f"all-gather ({phase})", u.index, u.issued, self._now()))
+        u.t_compute = self._now()
+
+    def _now(self) -> float:
+        """The timelines' clock; on a GPU it is read once the queued work has run (ledger.now)."""
+        return ledger.now(self.units[0].shard.device)
 
     def _note(self, label):
         live = sum(u.nbytes for u in self.units if u.gathered or u.work is not None)
-        self.memory.append((time.perf_counter(), label, live))
+        self.memory.append((self._now(), label, live))
 
     # -- the step ---------------------------------------------------------------------------------
 
