@@ -37,7 +37,7 @@ def _single_collectives(numel):
 
 
 def test_version_shims_gather_and_scatter():
-    with Cluster(2, verbose=False) as c:
+    with Cluster(2, backend="gloo", verbose=False) as c:
         res = c.run(_single_collectives, 3, echo=False)
     n, numel = 2, 3
     want_gathered = torch.cat([torch.arange(numel, dtype=torch.float64) + 100 * r for r in range(n)])

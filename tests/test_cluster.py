@@ -18,7 +18,7 @@ from zeronb import Cluster, RankError
 
 @pytest.fixture(scope="module")
 def pool():
-    with Cluster(world_size=4, verbose=False) as c:
+    with Cluster(world_size=4, backend="gloo", verbose=False) as c:
         yield c
 
 
@@ -129,7 +129,7 @@ def test_dispatch_is_fast_when_warm(pool):
 # --- the pool's life: start, shutdown, several pools ---------------------------------------
 
 def test_shutdown_leaves_no_process_behind():
-    c = zeronb.start(3, verbose=False)
+    c = zeronb.start(3, backend="gloo", verbose=False)
     pids = c.pids
     assert len(running(pids)) == 3
     zeronb.shutdown()
@@ -140,16 +140,16 @@ def test_shutdown_leaves_no_process_behind():
 
 def test_start_is_idempotent_and_resizes():
     try:
-        a = zeronb.start(2, verbose=False)
-        assert zeronb.start(2) is a
-        b = zeronb.start(3, verbose=False)
+        a = zeronb.start(2, backend="gloo", verbose=False)
+        assert zeronb.start(2, backend="gloo") is a
+        b = zeronb.start(3, backend="gloo", verbose=False)
         assert b is not a and a.closed and len(zeronb.run(int, echo=False)) == 3
     finally:
         zeronb.shutdown()
 
 
 def test_pools_side_by_side_do_not_collide():
-    with Cluster(2, verbose=False) as a, Cluster(2, verbose=False) as b:
+    with Cluster(2, backend="gloo", verbose=False) as a, Cluster(2, backend="gloo", verbose=False) as b:
         ra = a.run(lambda: os.environ["MASTER_PORT"], echo=False)
         rb = b.run(lambda: os.environ["MASTER_PORT"], echo=False)
         assert ra[0] != rb[0]
@@ -163,7 +163,7 @@ def test_nothing_listens_beyond_loopback(pool):
 
 
 def test_simulated_nodes_set_torchrun_variables():
-    with Cluster(4, nodes=2, verbose=False) as c:
+    with Cluster(4, nodes=2, backend="gloo", verbose=False) as c:
         env = c.run(lambda: {k: int(os.environ[k]) for k in
                              ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")}, echo=False)
     assert [(e["RANK"], e["GROUP_RANK"], e["LOCAL_RANK"]) for e in env] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
@@ -216,7 +216,7 @@ def test_bad_timeout(pool):
 
 
 def test_run_on_a_closed_cluster():
-    c = Cluster(1, verbose=False)
+    c = Cluster(1, backend="gloo", verbose=False)
     assert c.run(lambda: 5, echo=False) == [5]  # world size 1 is a real (trivial) group
     c.close()
     with pytest.raises(RuntimeError, match="closed"):
@@ -229,7 +229,7 @@ def test_a_call_that_destroys_the_group_leaves_a_working_pool(capsys):
         dist.all_reduce(t)
         return t.tolist()
 
-    with Cluster(3) as c:
+    with Cluster(3, backend="gloo") as c:
         pids = c.pids
         c.run_cell("kept = 41", "<setup>", echo=False)
         capsys.readouterr()
@@ -246,7 +246,7 @@ def test_a_call_that_destroys_the_group_leaves_a_working_pool(capsys):
 
 def test_bad_settings_leave_the_running_pool_alone():
     try:
-        a = zeronb.start(2, verbose=False)
+        a = zeronb.start(2, backend="gloo", verbose=False)
         pids = a.pids
         with pytest.raises(ValueError, match="backend must be one of"):
             zeronb.start(3, backend="mpi")

@@ -55,7 +55,7 @@ def _parity(sizes, dtypes, segment_bytes):
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_parity_with_torch_distributed(n):
     # small segments, so that the pipeline (several segments per chunk) is exercised too
-    with Cluster(n, verbose=False) as c:
+    with Cluster(n, backend="gloo", verbose=False) as c:
         res = c.run(_parity, SIZES, DTYPES, 64 << 10, echo=False, timeout=300)
     for rank_rows in res:
         for row in rank_rows:
@@ -85,7 +85,7 @@ def _scratch_kept():
 
 def test_ring_scratch_is_kept_between_calls_and_grows_when_needed():
     # a fresh scratch buffer each call took about a thousand page faults per 16 MiB all-reduce
-    with Cluster(4, verbose=False) as c:
+    with Cluster(4, backend="gloo", verbose=False) as c:
         res = c.run(_scratch_kept, echo=False)
     for sums, reused, grown in res:
         assert sums == [[10.0]] * 10  # 1 + 2 + 3 + 4, whatever the buffer held before
@@ -100,7 +100,7 @@ def _bfloat16():
 
 
 def test_bfloat16():
-    with Cluster(4, verbose=False) as c:
+    with Cluster(4, backend="gloo", verbose=False) as c:
         assert c.run(_bfloat16, echo=False) == [[10.0]] * 4  # small integers: exact in bfloat16
 
 
@@ -134,7 +134,7 @@ def _ledger_bytes(numel, dtype):
 def test_ledger_bytes_are_exact(n):
     numel, elem = 12 * 1024, 4  # divisible by 2, 3 and 4
     S = numel * elem
-    with Cluster(n, verbose=False) as c:
+    with Cluster(n, backend="gloo", verbose=False) as c:
         res = c.run(_ledger_bytes, numel, torch.float32, echo=False)
     for rank, got in enumerate(res):
         assert got["ring_all_reduce"] == {"ring_all_reduce": 2 * (n - 1) * S // n}
@@ -162,7 +162,7 @@ def _bad_inputs():
 
 
 def test_bad_input_gets_a_clear_error():
-    with Cluster(2, verbose=False) as c:
+    with Cluster(2, backend="gloo", verbose=False) as c:
         res = c.run(_bad_inputs, echo=False)
     assert "shard of 5 elements" in res[0][0] and "not 3" in res[0][0]
     assert res[0][1].startswith("TypeError") and "floating-point" in res[0][1]

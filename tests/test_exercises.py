@@ -9,7 +9,7 @@ from zeronb import exercises
 
 @pytest.fixture(scope="module", autouse=True)
 def pool():
-    zeronb.start(4, verbose=False)
+    zeronb.start(4, backend="gloo", verbose=False)
     yield
     zeronb.shutdown()
 

@@ -22,7 +22,7 @@ from zeronb import Cluster, RankError, RankTimeout, forkserver
 
 @pytest.fixture
 def pair():
-    with Cluster(world_size=2, verbose=False) as c:
+    with Cluster(world_size=2, backend="gloo", verbose=False) as c:
         yield c
 
 
@@ -128,7 +128,7 @@ def test_a_rank_that_dies(pair, how):
 
 
 def test_restart_says_state_was_lost(capsys):
-    with Cluster(world_size=2) as c:
+    with Cluster(world_size=2, backend="gloo") as c:
         with pytest.raises(RankTimeout):
             c.run(time.sleep, 30, timeout=1, echo=False)
         capsys.readouterr()
@@ -158,7 +158,7 @@ def _mismatched_collectives():
 
 
 def test_mismatched_collectives_do_not_hang():
-    with Cluster(2, verbose=False) as c:
+    with Cluster(2, backend="gloo", verbose=False) as c:
         t0 = time.monotonic()
         with pytest.raises(RankError):  # gloo notices (an error) or not (our timeout): never a hang
             c.run(_mismatched_collectives, timeout=10, echo=False)
@@ -172,7 +172,7 @@ def _mismatched_sizes():
 
 
 def test_mismatched_sizes_in_a_ring_op_raise_on_every_rank_instead_of_hanging():
-    with Cluster(3, verbose=False) as c:
+    with Cluster(3, backend="gloo", verbose=False) as c:
         t0 = time.monotonic()
         with pytest.raises(RankError) as e:
             c.run(_mismatched_sizes, echo=False, timeout=30)
@@ -187,7 +187,7 @@ def test_mismatched_sizes_in_a_ring_op_raise_on_every_rank_instead_of_hanging():
 def test_ranks_die_with_a_killed_parent():
     script = textwrap.dedent("""
         import sys, time, zeronb
-        c = zeronb.Cluster(3, verbose=False)
+        c = zeronb.Cluster(3, backend="gloo", verbose=False)
         print(" ".join(map(str, c.pids)), flush=True)
         time.sleep(600)
     """)
@@ -213,7 +213,7 @@ def test_three_pools_at_once_in_three_processes():
             t = torch.ones(1000) * (dist.get_rank() + 1)
             dist.all_reduce(t)
             return t[0].item()
-        with zeronb.Cluster(2, verbose=False) as c:
+        with zeronb.Cluster(2, backend="gloo", verbose=False) as c:
             print(list(c.run(f, echo=False)))
     """)
     procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -231,11 +231,11 @@ def test_fifty_start_shutdown_cycles_leak_nothing():
         listening = [c.laddr.port for c in me.net_connections("inet") if c.status == psutil.CONN_LISTEN]
         return len(me.children(recursive=True)), me.num_fds(), threading.active_count(), len(listening)
 
-    with Cluster(1, verbose=False) as c:  # warm: imports and the first store
+    with Cluster(1, backend="gloo", verbose=False) as c:  # warm: imports and the first store
         c.run(int, echo=False)
     before = snapshot()
     for _ in range(50):
-        with Cluster(1, verbose=False) as c:
+        with Cluster(1, backend="gloo", verbose=False) as c:
             assert c.run(dist.get_world_size, echo=False) == [1]
     after = snapshot()
     assert after[0] == before[0] == 0, "rank processes left behind"
@@ -268,13 +268,13 @@ class _RogueCluster(Cluster):
 
 
 def test_a_wrong_key_is_refused_and_the_pool_starts_anyway():
-    with _RogueCluster(2, verbose=False) as c:
+    with _RogueCluster(2, backend="gloo", verbose=False) as c:
         assert _RogueCluster.rogue_result.startswith("refused"), _RogueCluster.rogue_result
         assert c.run(dist.get_rank, echo=False) == [0, 1]
 
 
 def test_control_channel_is_closed_once_the_ranks_are_in():
-    with Cluster(2, verbose=False) as c:
+    with Cluster(2, backend="gloo", verbose=False) as c:
         host, port = c.control_address
         assert host == "127.0.0.1"
         with pytest.raises(OSError):
@@ -300,7 +300,7 @@ def _mixed(i):
 
 
 def test_soak_1000_dispatches_memory_stays_flat():
-    with Cluster(2, verbose=False) as c:
+    with Cluster(2, backend="gloo", verbose=False) as c:
         procs = [psutil.Process(p) for p in c.pids]
         for i in range(100):  # warm-up: allocator pools, connections, imports
             c.run(_mixed, i, echo=False)
@@ -326,7 +326,7 @@ def _helper_pid(c: Cluster) -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_the_helper_holds_no_cuda_and_no_threads_when_it_forks():
-    with Cluster(2, verbose=False) as c:
+    with Cluster(2, backend="gloo", verbose=False) as c:
         helper = _helper_pid(c)
         assert helper == forkserver.helper().pid and helper != os.getpid()
         assert helper not in [p.pid for p in psutil.Process().children(recursive=True)]  # detached
@@ -344,7 +344,7 @@ def test_the_helper_holds_no_cuda_and_no_threads_when_it_forks():
 
 
 def test_restarts_fork_from_the_same_helper():
-    with Cluster(2, verbose=False) as c:
+    with Cluster(2, backend="gloo", verbose=False) as c:
         helper, pids = _helper_pid(c), c.pids
         with pytest.raises(RankError):
             c.run(os._exit, 3, echo=False)
@@ -353,7 +353,7 @@ def test_restarts_fork_from_the_same_helper():
 
 
 def test_a_killed_helper_is_reported_and_replaced(capfd):
-    with Cluster(2, verbose=False) as c:
+    with Cluster(2, backend="gloo", verbose=False) as c:
         helper = _helper_pid(c)
         os.kill(helper, signal.SIGKILL)
         t0 = time.monotonic()

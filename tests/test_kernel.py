@@ -58,7 +58,7 @@ def execute(kc, code, timeout=120):
 
 def test_interrupting_the_kernel_stops_the_call_and_the_pool_comes_back(kernel):
     km, kc = kernel
-    status, out, _ = execute(kc, "import zeronb, time\nc = zeronb.start(2)\nprint(c.pids)")
+    status, out, _ = execute(kc, "import zeronb, time\nc = zeronb.start(2, backend='gloo')\nprint(c.pids)")
     assert status == "ok"
     old_pids = eval(out.splitlines()[-1])
     msg_id = kc.execute("zeronb.run(time.sleep, 60)")
@@ -76,7 +76,7 @@ def test_interrupting_the_kernel_stops_the_call_and_the_pool_comes_back(kernel):
 def test_idle_ranks_survive_an_interrupt(kernel):
     """Ranks run in their own session: Jupyter's interrupt does not reach them."""
     km, kc = kernel
-    execute(kc, "import zeronb\nc = zeronb.start(2, verbose=False)\npids = c.pids")
+    execute(kc, "import zeronb\nc = zeronb.start(2, backend='gloo', verbose=False)\npids = c.pids")
     msg_id = kc.execute("import time; time.sleep(30)")
     time.sleep(1)
     km.interrupt_kernel()
@@ -87,7 +87,7 @@ def test_idle_ranks_survive_an_interrupt(kernel):
 
 def test_ranks_exit_when_the_kernel_dies(kernel):
     km, kc = kernel
-    status, out, _ = execute(kc, "import zeronb\nprint(zeronb.start(3, verbose=False).pids)")
+    status, out, _ = execute(kc, "import zeronb\nprint(zeronb.start(3, backend='gloo', verbose=False).pids)")
     assert status == "ok", out
     pids = eval(out)
     procs = [psutil.Process(p) for p in pids]
@@ -108,7 +108,7 @@ def test_importing_zeronb_in_a_kernel_starts_the_helper_which_dies_with_the_kern
     helper = int(out)
     # started at import, before any pool: a detached process, not the kernel's child
     assert helper not in [p.pid for p in psutil.Process(km.provisioner.process.pid).children(recursive=True)]
-    status, out, _ = execute(kc, "c = zeronb.start(2, verbose=False)\nprint(c.helper_pid, *c.pids)")
+    status, out, _ = execute(kc, "c = zeronb.start(2, backend='gloo', verbose=False)\nprint(c.helper_pid, *c.pids)")
     assert status == "ok", out
     pids = [int(p) for p in out.split()]
     assert pids[0] == helper and len(running(pids)) == 3

@@ -57,7 +57,7 @@ def _record(numel):
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"N{n}")
 def traced(request):
     n = request.param
-    with Cluster(world_size=n, verbose=False) as c:
+    with Cluster(world_size=n, backend="gloo", verbose=False) as c:
         res = c.run(_record, NUMEL, echo=False)
     return n, list(res)
 

@@ -30,7 +30,7 @@ def results(request):
     def all_runs(combos):
         return [train_rank(_args(model=m, dtype=d, stage=s, impl=i)) for m, d, s, i in combos]
 
-    with Cluster(n, verbose=False) as c:
+    with Cluster(n, backend="gloo", verbose=False) as c:
         per_rank = c.run(all_runs, combos, echo=False, timeout=900)
     return n, combos, per_rank, refs
 
@@ -127,7 +127,7 @@ def _activations_and_bf16_memory():
 
 
 def test_activations_are_not_sharded_and_bf16_mixed_holds_2_2_12():
-    with Cluster(2, verbose=False) as c:
+    with Cluster(2, backend="gloo", verbose=False) as c:
         res = c.run(_activations_and_bf16_memory, echo=False)
     for rank_out in res:
         acts = rank_out["activations"]
