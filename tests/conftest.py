@@ -48,6 +48,15 @@ def running(pids):
     return alive
 
 
+def listening_addresses(pids) -> list:
+    """The address every listening socket of these processes (and their children) is bound to."""
+    procs = []
+    for pid in pids:
+        p = psutil.Process(pid)
+        procs += [p, *p.children(recursive=True)]
+    return [c.laddr.ip for p in procs for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+
+
 FAULT_TIMES: list[tuple[str, float]] = []
 
 

@@ -17,7 +17,7 @@ def pool():
 def good_all_reduce(t):
     from zeronb.backend import all_gather_single, reduce_scatter_single
 
-    shard = torch.empty(t.numel() // dist.get_world_size(), dtype=t.dtype)
+    shard = t.new_empty(t.numel() // dist.get_world_size())
     reduce_scatter_single(shard, t)
     out = torch.empty_like(t)
     all_gather_single(out, shard)
@@ -28,7 +28,7 @@ def forgot_the_gather(t):  # returns the reduced shard in place of the whole ten
     from zeronb.backend import reduce_scatter_single
 
     out = t.clone()
-    shard = torch.empty(t.numel() // dist.get_world_size(), dtype=t.dtype)
+    shard = t.new_empty(t.numel() // dist.get_world_size())
     reduce_scatter_single(shard, t)
     n = shard.numel()
     out[dist.get_rank() * n:(dist.get_rank() + 1) * n] = shard
@@ -46,7 +46,7 @@ def test_all_reduce_checker():
 def ring_all_gather(shard, numel):
     r, n = dist.get_rank(), dist.get_world_size()
     c = numel // n
-    out = torch.empty(numel)
+    out = shard.new_empty(numel)  # the shard's dtype and device: the same code on gloo and NCCL
     out[r * c:(r + 1) * c] = shard
     for s in range(n - 1):
         send_c, recv_c = (r - s) % n, (r - s - 1) % n
@@ -60,7 +60,7 @@ def ring_all_gather(shard, numel):
 def gather_with_the_collective(shard, numel):  # right result, but not a ring of sends
     from zeronb.backend import all_gather_single
 
-    out = torch.empty(numel)
+    out = shard.new_empty(numel)
     all_gather_single(out, shard)
     return out
 
@@ -96,7 +96,7 @@ def zero1_step(params, grads, lr):
     from zeronb.backend import all_gather_single, reduce_scatter_single
 
     n, r = dist.get_world_size(), dist.get_rank()
-    shard = torch.empty(params.numel() // n, dtype=params.dtype)
+    shard = params.new_empty(params.numel() // n)
     reduce_scatter_single(shard, grads)
     shard /= n
     c = shard.numel()
@@ -109,7 +109,7 @@ def zero1_no_average(params, grads, lr):
     from zeronb.backend import all_gather_single, reduce_scatter_single
 
     n, r = dist.get_world_size(), dist.get_rank()
-    shard = torch.empty(params.numel() // n, dtype=params.dtype)
+    shard = params.new_empty(params.numel() // n)
     reduce_scatter_single(shard, grads)
     c = shard.numel()
     all_gather_single(params, params[r * c:(r + 1) * c] - lr * shard)

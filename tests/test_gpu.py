@@ -1,31 +1,75 @@
-"""The NCCL path: one GPU per rank, CUDA tensors, results back on the CPU, memory from torch.cuda.
-Marked `gpu` and skipped where there are fewer than two GPUs (CI has none)."""
+"""The NCCL path, on as many GPUs as the machine has (up to 4; one is enough): a group per device,
+CUDA and CPU tensors in one call, the ring on CUDA, every stage and --impl of the train CLI with
+torch.cuda's memory figures, the exercise checkers, a failure and its recovery, and a soak.
+Marked `gpu` and skipped where there is no GPU (CI has none). With one GPU, every test runs on a
+1-rank NCCL group: what several NCCL ranks do (traffic between GPUs) is for a machine with more.
+`bash scripts/gpu_check.sh` runs these, every chapter and the train CLI on a GPU box."""
+import json
+import os
+
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
 
-from zeronb import Cluster
+import zeronb
+from conftest import listening_addresses
+from zeronb import Cluster, RankError
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2 or not dist.is_nccl_available(),
-                                                  reason="needs 2 CUDA GPUs and an NCCL build of torch")]
+N = min(GPUS, 4)
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 1 or not dist.is_nccl_available(),
+                                                  reason="needs a CUDA GPU and an NCCL build of torch")]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with Cluster(N, backend="nccl", verbose=False) as c:
+        yield c
 
 
 def _where_am_i():
+    import threading
+
     from zeronb import device
+    from zeronb.backend import backend_for
 
     t = torch.full((4,), float(dist.get_rank() + 1), device=device())
     dist.all_reduce(t)
-    return dist.get_backend(), str(t.device), torch.cuda.current_device(), t
+    seen = []
+    threading.Thread(target=lambda: seen.append(str(device()))).start()  # another thread, same answer
+    while not seen:
+        pass
+    return (dist.get_backend(), backend_for("cpu"), backend_for(t), str(t.device), seen[0],
+            torch.cuda.current_device(), t)
 
 
-def test_auto_picks_nccl_one_gpu_per_rank_and_results_come_back_on_cpu():
-    with Cluster(2, verbose=False) as c:
-        assert c.backend == "nccl"
-        res = c.run(_where_am_i, echo=False)
-    for r, (backend, dev, current, t) in enumerate(res):
-        assert backend == "nccl" and dev == f"cuda:{r}" and current == r
-        assert t.device.type == "cpu" and t.tolist() == [3.0] * 4
+def test_auto_picks_nccl_one_gpu_per_rank_with_a_group_per_device(pool):
+    assert pool.backend == "nccl" and zeronb.backend.choose_backend(N)[0] == "nccl"
+    for r, (backend, cpu, cuda, dev, dev_other_thread, current, t) in enumerate(pool.run(_where_am_i, echo=False)):
+        assert backend == "cpu:gloo,cuda:nccl" and (cpu, cuda) == ("gloo", "nccl")
+        assert dev == dev_other_thread == f"cuda:{r}" and current == r
+        assert t.device.type == "cpu" and t.tolist() == [N * (N + 1) / 2] * 4  # came back on the CPU
+
+
+def _both_kinds():
+    """Chapter-style code, written once: a count on the CPU and a tensor on the rank's device."""
+    from zeronb import device
+
+    count = torch.tensor([1], dtype=torch.int64)              # CPU: goes over gloo
+    grad = torch.full((8,), float(dist.get_rank()), device=device())  # the GPU: goes over NCCL
+    dist.all_reduce(count)
+    dist.all_reduce(grad)
+    return count.item(), grad[0].item(), grad.device.type
+
+
+def test_cpu_and_cuda_tensors_in_one_call(pool):
+    assert pool.run(_both_kinds, echo=False) == [(N, N * (N - 1) / 2, "cuda")] * N
+
+
+def test_every_listener_of_every_rank_is_on_loopback(pool):
+    addresses = listening_addresses([os.getpid(), *pool.pids])
+    assert addresses and all(a in ("127.0.0.1", "::1") for a in addresses), addresses
 
 
 def _ring_on_gpu(numel):
@@ -34,39 +78,101 @@ def _ring_on_gpu(numel):
     from zeronb.shards import bounds
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(numel, generator=g).to(device())
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(rank)).to(device())
     ref = x.clone()
     dist.all_reduce(ref)
     a, b = bounds(numel, n, rank)
-    ar = ring_all_reduce(x.clone())
-    rs = ring_reduce_scatter(x)
-    ag = ring_all_gather(x[a:b].clone(), numel)
-    torch.cuda.synchronize()
-    return ((ar - ref).abs().max().item(), (rs - ref[a:b]).abs().max().item(),
-            bool(torch.equal(ag[a:b], x[a:b])), ag.device.type)
+    ar, rs = ring_all_reduce(x.clone()), ring_reduce_scatter(x.clone())
+    ag = ring_all_gather(ref[a:b].clone(), numel)
+    return ((ar - ref).abs().max().item(), (rs - ref[a:b]).abs().max().item(), bool(torch.equal(ag, ref)),
+            ar.device.type)
 
 
 @pytest.mark.parametrize("numel", [5, 1024, 1_000_003])
-def test_ring_collectives_on_nccl(numel):
-    with Cluster(2, verbose=False) as c:
-        res = c.run(_ring_on_gpu, numel, echo=False)
-    for ar, rs, ag_ok, dev in res:
-        assert ar < 1e-5 and rs < 1e-5 and ag_ok and dev == "cpu"  # came back to the notebook on CPU
+def test_ring_collectives_on_cuda(pool, numel):
+    for ar, rs, ag_ok, dev in pool.run(_ring_on_gpu, numel, echo=False):
+        assert ar < 1e-5 and rs < 1e-5 and ag_ok and dev == "cuda"
 
 
-def test_zero_stages_on_nccl_match_single_process_and_measure_cuda_memory():
-    from zeronb.train import parse_args, train_rank, train_single
+@pytest.mark.parametrize("stage,impl", [(s, i) for s in range(4) for i in ("zeronb", "torch")])
+def test_train_cli_on_cuda_matches_one_process_and_reports_cuda_memory(stage, impl, tmp_path):
+    from zeronb import train
 
-    ref = train_single(parse_args(["--model", "gpt", "--dtype", "float64", "--steps", "3"]))["params"]
+    common = ["--model", "gpt", "--dtype", "float64", "--steps", "3"]
+    assert train.main(["--nproc", "1", "--stage", "0", *common, "--report", str(tmp_path / "ref.json"),
+                       "--save-params", str(tmp_path / "ref.pt")]) == 0
+    assert train.main(["--nproc", str(N), "--stage", str(stage), "--impl", impl, *common,
+                       "--report", str(tmp_path / "r.json"), "--save-params", str(tmp_path / "p.pt")]) == 0
+    ref, got = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "p.pt")
+    err = max((got[k] - ref[k]).abs().max().item() for k in ref)
+    assert err <= 1e-10, (stage, impl, err)
+    for path, ranks in (("ref.json", 1), ("r.json", N)):
+        report = json.load(open(tmp_path / path))
+        assert [r["device"] for r in report["ranks"]] == [f"cuda:{r}" for r in range(ranks)]
+        for r in report["ranks"]:  # the same fields on every path, from torch.cuda's own counters
+            assert set(r["bytes"]) == {"params", "grads", "optimizer"} and all(r["bytes"].values())
+            assert r["cuda_allocated"] > 0 and r["cuda_peak"] >= r["cuda_allocated"]
 
-    def all_stages():
-        return [train_rank(parse_args(["--model", "gpt", "--dtype", "float64", "--steps", "3", "--stage", str(s)]))
-                for s in range(4)]
 
-    with Cluster(2, verbose=False) as c:
-        res = c.run(all_stages, echo=False, timeout=600)
-    for stage, rep in enumerate(res[0]):
-        err = max((rep["params"][k].cpu() - ref[k]).abs().max().item() for k in ref)
-        assert err <= 1e-10, (stage, err)
-        assert rep["allocated"] > 0 and rep["peak"] >= rep["allocated"]  # torch.cuda's own figures
+def test_exercise_checkers_on_nccl():
+    from test_exercises import forgot_the_gather, good_all_reduce, ring_all_gather, zero1_step
+    from zeronb import exercises
+
+    try:
+        assert exercises.check_all_reduce(good_all_reduce, world_size=N).ok
+        if N > 1:  # on one rank the reduced shard is the whole tensor: nothing is missing
+            assert not exercises.check_all_reduce(forgot_the_gather, world_size=N, sizes=(8,)).ok
+        assert exercises.check_ring_all_gather(ring_all_gather, world_size=N).ok
+        assert exercises.check_zero1_step(zero1_step, world_size=N).ok
+        assert zeronb.current().backend == "nccl"
+    finally:
+        zeronb.shutdown()
+
+
+def _fails(how):
+    if how == "raise":
+        raise ValueError("planned")
+    os._exit(3)
+
+
+def test_a_failure_on_an_nccl_pool_and_the_restart(pool):
+    pids = pool.pids
+    with pytest.raises(RankError, match="planned"):
+        pool.run(_fails, "raise", echo=False)
+    assert pool.pids == pids  # every rank raised, none was blocked: no restart
+    with pytest.raises(RankError, match="exited with status 3"):
+        pool.run(_fails, "exit", echo=False)
+    assert pool.run(_both_kinds, echo=False) == [(N, N * (N - 1) / 2, "cuda")] * N  # restarted, on the GPUs
+    assert pool.pids != pids
+
+
+def _mixed_cuda(i):
+    from zeronb import device
+    from zeronb.backend import all_gather_single
+    from zeronb.collectives import ring_all_reduce
+
+    t = torch.full((256,), float(i), device=device())
+    kind = i % 4
+    if kind == 0:
+        dist.all_reduce(t)
+    elif kind == 1:
+        ring_all_reduce(t)
+    elif kind == 2:
+        dist.broadcast(t, src=i % dist.get_world_size())
+    else:
+        all_gather_single(t.new_empty(256 * dist.get_world_size()), t)
+    return t.sum().item()
+
+
+def test_soak_1000_dispatches_with_cuda_memory_stays_flat(pool):
+    procs = [psutil.Process(p) for p in pool.pids]
+    for i in range(200):  # warm-up: CUDA loads kernels lazily, at their first use
+        pool.run(_mixed_cuda, i, echo=False)
+    rss0 = [p.memory_info().rss for p in procs]
+    for i in range(1000):
+        res = pool.run(_mixed_cuda, i, echo=False)
+        assert len(set(res)) == 1
+    rss1 = [p.memory_info().rss for p in procs]
+    print(f"soak on {N} NCCL rank(s): rank RSS {[r >> 20 for r in rss0]} -> {[r >> 20 for r in rss1]} MiB")
+    for a, b in zip(rss0, rss1):
+        assert b < 1.10 * a, f"rank memory grew {a >> 20} -> {b >> 20} MiB"

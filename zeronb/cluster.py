@@ -160,7 +160,9 @@ class Cluster:
             "ZERONB_HOST": host, "ZERONB_PORT": str(port),
             "ZERONB_BACKEND": self.backend, "ZERONB_THREADS": str(self.threads),
             "OMP_NUM_THREADS": str(self.threads), "PYTHONUNBUFFERED": "1",
+            # one machine: gloo's pairs and NCCL's bootstrap listen on loopback, not the network
             "GLOO_SOCKET_IFNAME": _backend.loopback_interface(),
+            "NCCL_SOCKET_IFNAME": _backend.loopback_interface(),
             # what a rank launched on its own would see: the notebook's import path (this zeronb,
             # the notebook's own modules: functions from importable modules are pickled by reference)
             "PYTHONPATH": os.pathsep.join(path),

@@ -91,8 +91,11 @@ def _compare(name, rank, got, want, dtype, chunks=None):
 
 
 def _inputs(rank, numel, dtype):
+    """Inside a rank: rank `rank`'s test tensor, on this rank's device (the same values on any)."""
+    from .backend import device
+
     g = torch.Generator().manual_seed(7919 * (rank + 1) + numel)
-    return torch.randn(numel, generator=g, dtype=torch.float64).to(dtype)
+    return torch.randn(numel, generator=g, dtype=torch.float64).to(device=device(), dtype=dtype)
 
 
 # --- chapter 3: all-reduce from reduce-scatter and all-gather --------------------------------------
@@ -100,9 +103,7 @@ def _inputs(rank, numel, dtype):
 def _try_all_reduce(fn, numel, dtype):
     import torch.distributed as dist
 
-    from .backend import device
-
-    x = _inputs(dist.get_rank(), numel, dtype).to(device())
+    x = _inputs(dist.get_rank(), numel, dtype)
     want = x.clone()
     dist.all_reduce(want)
     got = fn(x.clone())
