@@ -22,6 +22,31 @@ def test_every_notebook_is_in_the_toc_and_stripped():
                 assert not cell.outputs and cell.execution_count is None, f"{nb_path.name}: stored outputs"
 
 
+def test_a_chapter_opened_alone_installs_zeronb_from_the_configured_place_and_needs_no_myst_nb():
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("sync_notebooks", ROOT / "scripts" / "sync_notebooks.py")
+    sync = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sync)
+    want = sync.first_cell_source()
+    assert "ZERONB_SOURCE" in want and "git+https://github.com/" in want
+    for nb_path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = [c for c in json.loads(nb_path.read_text())["cells"] if c["cell_type"] == "code"]
+        assert "".join(cells[0]["source"]) == want, f"{nb_path.name}: run scripts/sync_notebooks.py"
+        assert not any("myst_nb" in "".join(c["source"]) for c in cells), f"{nb_path.name} imports myst_nb"
+
+
+def test_glue_without_myst_nb_shows_the_value_or_nothing(monkeypatch, capsys):
+    from zeronb import glue as glue_module
+
+    monkeypatch.setattr(glue_module, "_myst_glue", None)
+    glue_module.glue("x", 42, display=False)
+    assert capsys.readouterr().out == ""
+    glue_module.glue("x", 42)
+    assert capsys.readouterr().out.strip() == "42"
+
+
 @pytest.fixture(scope="module")
 def built(built_book):
     return built_book
