@@ -205,20 +205,41 @@ def _time_collectives(nbytes: int, ops, impls, reps: int, segment_bytes: int) ->
     return {f"{op}/{impl}": statistics.median(v) for (op, impl), v in times.items()}
 
 
-def memcpy_bandwidth(nbytes: int = 64 << 20, reps: int = 5) -> float:
-    """Bytes per second of one large tensor copy in this process: the physical bound here, since on
-    one machine every byte a collective moves is copied through memory (and loopback TCP copies it
-    twice: into the kernel and out again)."""
+def memcpy_bandwidth(nbytes: int = 64 << 20, reps: int = 5, device="cpu") -> float:
+    """Bytes per second of one large tensor copy on `device` (bytes copied, not read + written).
+    On the CPU it is the physical bound of a pool on one machine: every byte a collective moves is
+    copied through memory (loopback TCP copies it twice: into the kernel and out again). On a GPU
+    it is the GPU's own device-to-device copy, timed with CUDA events."""
     import torch
 
-    src, dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
+    device = torch.device(device)
+    src, dst = torch.randn(nbytes // 4, device=device), torch.empty(nbytes // 4, device=device)
     dst.copy_(src)
     ts = []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        ts.append(time.perf_counter() - t0)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            ts.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            ts.append(time.perf_counter() - t0)
     return nbytes / statistics.median(ts)
+
+
+def _copy_here() -> dict:
+    """Inside a rank: the copy bandwidth of this rank's device, and which device that is."""
+    import torch
+
+    from .backend import device
+
+    dev = device()
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU, {torch.get_num_threads()} thread(s)"
+    return {"Bps": memcpy_bandwidth(device=dev), "device": str(dev), "name": name}
 
 
 def fit_alpha_beta(sizes, seconds) -> tuple[float, float]:
@@ -231,12 +252,17 @@ def fit_alpha_beta(sizes, seconds) -> tuple[float, float]:
     return float(alpha), float(beta)
 
 
-def copy_ceiling(world_size: int, cores: int | None = None) -> float:
-    """A rough ceiling for busbw on one machine, as a fraction of memcpy bandwidth: over loopback every
-    byte is copied twice (into the kernel, out of it), every rank sends and receives busbw bytes/s,
-    and N ranks share C cores: busbw <~ min(C, N) / (2N) * memcpy."""
+def copy_ceiling(world_size: int, cores: int | None = None, device="cpu") -> float:
+    """A rough ceiling for busbw on one machine, as a fraction of the copy bandwidth measured on
+    `device`. On the CPU: over loopback every byte is copied twice (into the kernel, out of it),
+    every rank sends and receives busbw bytes/s, and N ranks share C cores: busbw <~ min(C, N) /
+    (2N) * memcpy. On a GPU each rank's device does its own copies: the GPU's copy bandwidth."""
     import os
 
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return 1.0
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return min(cores, world_size) / (2 * world_size)
@@ -246,7 +272,9 @@ def collectives(world_sizes=(2, 4), sizes=SIZES, ops=OPS, impls=IMPLS, reps=5,
                 segment_bytes=None, progress=True) -> dict:
     """The sweep: for each world size, size, op and impl, the median time, algbw and busbw.
 
-    Returns {"memcpy_Bps": ..., "rows": [{world_size, op, impl, bytes, seconds, algbw, busbw}]}.
+    Returns {"copy": {N: {"Bps", "device", "name"}}, "rows": [{world_size, op, impl, bytes, seconds,
+    algbw, busbw}]}: "copy" is the copy bandwidth of one large tensor on the device the N-rank
+    pool's ranks use (the CPU under gloo, the GPU under NCCL), measured on rank 0.
     algbw = S / t; busbw = algbw * bus_factor(op, N), the nccl-tests definitions, with S the full
     tensor (the all-reduce's input, the reduce-scatter's input, the all-gather's output).
     """
@@ -258,10 +286,11 @@ def collectives(world_sizes=(2, 4), sizes=SIZES, ops=OPS, impls=IMPLS, reps=5,
 
     rows = []
     bar = tqdm(total=len(world_sizes) * len(sizes), desc="collectives sweep", disable=not progress)
-    memcpy = memcpy_bandwidth()
+    copy = {}
     for n in world_sizes:
         with Cluster(n, verbose=False) as c:
             backend = c.backend
+            copy[n] = c.run(_copy_here, echo=False)[0]
             for nbytes in sizes:
                 r = max(3, min(reps * 4, int(reps * (4 << 20) / nbytes) or reps)) if nbytes < (4 << 20) else reps
                 res = c.run(_time_collectives, nbytes, ops, impls, r, segment_bytes or SEGMENT_BYTES,
@@ -272,7 +301,7 @@ def collectives(world_sizes=(2, 4), sizes=SIZES, ops=OPS, impls=IMPLS, reps=5,
                                  "algbw": nbytes / t, "busbw": nbytes / t * bus_factor(op, n)})
                 bar.update(1)
     bar.close()
-    return {"memcpy_Bps": memcpy, "rows": rows}
+    return {"copy": copy, "rows": rows}
 
 
 def speedups(result, nbytes=16 << 20) -> list[dict]:
@@ -296,10 +325,12 @@ def _human(nbytes: float) -> str:
 
 
 def _print_collectives(result) -> None:
-    memcpy = result["memcpy_Bps"]
-    print(f"memcpy bandwidth (one 64 MiB copy, this machine): {memcpy / 1e9:.2f} GB/s")
     rows = result["rows"]
     for n in sorted({r["world_size"] for r in rows}):
+        copy = result["copy"][n]
+        memcpy = copy["Bps"]
+        print(f"\n{n} ranks: copy bandwidth of one 64 MiB tensor on {copy['device']} ({copy['name']}): "
+              f"{memcpy / 1e9:.2f} GB/s")
         for op in OPS:
             print(f"\n{op}, {n} ranks      time (ms)                 busbw (GB/s)            busbw / memcpy")
             print(f"{'size':>10}  " + "  ".join(f"{i:>7}" for i in IMPLS) + "   "
