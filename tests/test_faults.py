@@ -369,3 +369,15 @@ def test_a_killed_helper_is_reported_and_replaced(capfd):
         assert f"helper process that forks the ranks (pid {helper}) exited; starting a new one" in capfd.readouterr().err
         assert _helper_pid(c) not in (helper, os.getpid())
 
+
+
+def test_a_replaced_helper_leaves_running_pools_alone(monkeypatch, capsys):
+    with Cluster(2, backend="gloo") as a:
+        old = _helper_pid(a)
+        monkeypatch.setenv("TORCH_ZERONB_TEST_SETTING", "1")  # TORCH_*: read at import, a new helper
+        capsys.readouterr()
+        with Cluster(2, backend="gloo") as b:
+            assert "starting a new helper process for the ranks" in capsys.readouterr().out
+            assert _helper_pid(b) != old
+            assert a.run(dist.get_rank, echo=False) == [0, 1]  # a's ranks, the old helper's, live on
+            assert b.run(dist.get_rank, echo=False) == [0, 1]

@@ -46,7 +46,9 @@ PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "cloudpickle", "numpy"
 
 # Environment variables that libraries read once, when they are loaded: a helper started under
 # other values would hand stale settings to its ranks, so a change starts a new helper.
-_IMPORT_TIME_ENV = ("TORCH", "PYTORCH", "LD_", "OMP_", "KMP_", "MKL_", "GOMP_", "OPENBLAS", "CUDA_", "PYTHON")
+# (CUDA_* is not among them: CUDA starts in the rank, after the fork, from the rank's environment;
+# and torch itself sets CUDA_MODULE_LOADING in a process that starts CUDA.)
+_IMPORT_TIME_ENV = ("TORCH", "PYTORCH", "LD_", "OMP_", "KMP_", "MKL_", "GOMP_", "OPENBLAS", "PYTHON")
 _PER_POOL_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "PYTHONUNBUFFERED")  # set per rank by the pool
 
 
@@ -246,6 +248,7 @@ def _stamp(env: dict) -> tuple:
 
 
 _helper: ForkServer | None = None
+_retired: list = []  # replaced helpers, kept until the process exits (their ranks die with them)
 _helper_lock = threading.Lock()
 
 
@@ -266,7 +269,7 @@ def helper(env: dict | None = None, path: list | None = None, say=print) -> Fork
                 why = ("zeronb's source changed" if old.stamp[2] != stamp[2]
                        else "environment variables read at import time changed")
                 say(f"starting a new helper process for the ranks: {why} since the last one started")
-                old.close()
+                _retired.append(old)  # not closed: ranks of pools still running are its children
                 old = None
         if old is None:
             _helper = ForkServer(env, path or import_path())
@@ -283,11 +286,14 @@ def prestart() -> None:
 
 
 def close() -> None:
+    """Close every helper of this process (any rank they still have dies with it)."""
     global _helper
     with _helper_lock:
-        if _helper is not None:
-            _helper.close()
-            _helper = None
+        for server in [_helper, *_retired]:
+            if server is not None:
+                server.close()
+        _helper = None
+        _retired.clear()
 
 
 # --- the helper's side ------------------------------------------------------------------------
