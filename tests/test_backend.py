@@ -56,3 +56,45 @@ def test_the_store_listens_on_loopback_only():
     mine = [c for c in psutil.Process().net_connections("inet")
             if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port]
     assert [c.laddr.ip for c in mine] == ["127.0.0.1"]
+
+
+def _written_once():
+    """Chapter-style code, written once for either backend: a count on the CPU (gloo in any pool),
+    a tensor on the rank's device (NCCL in a GPU pool), and where there is a GPU, one of each."""
+    import threading
+
+    import zeronb
+    from zeronb.backend import backend_for
+
+    count = torch.tensor([1], dtype=torch.int64)
+    grad = torch.full((8,), float(dist.get_rank()), device=zeronb.device())
+    dist.all_reduce(count)
+    dist.all_reduce(grad)
+    other_thread = []
+    t = threading.Thread(target=lambda: other_thread.append(zeronb.device()))
+    t.start()
+    t.join()
+    return {"count": count.item(), "grad": grad[0].item(), "device": str(grad.device),
+            "device_in_another_thread": str(other_thread[0]), "backend": str(dist.get_backend()),
+            "cpu_takes": backend_for(count), "grad_takes": backend_for(grad)}
+
+
+@pytest.mark.parametrize("requested", ["auto", "gloo"])
+def test_one_function_sends_cpu_and_device_tensors_on_whatever_backend_the_pool_has(requested):
+    n = 2
+    with Cluster(n, backend=requested, verbose=False) as c:
+        res = c.run(_written_once, echo=False)
+    for r, out in enumerate(res):
+        assert out["count"] == n and out["grad"] == sum(range(n))
+        assert out["device"] == out["device_in_another_thread"]
+        assert out["cpu_takes"] == "gloo"
+        if c.backend == "nccl":
+            assert out["backend"] == "cpu:gloo,cuda:nccl" and out["grad_takes"] == "nccl"
+            assert out["device"] == f"cuda:{r}"
+        else:
+            assert out["backend"] == "gloo" and out["grad_takes"] == "gloo" and out["device"] == "cpu"
+
+
+def test_an_nccl_pool_is_a_group_per_device():
+    assert backend.group_backend("nccl") == "cpu:gloo,cuda:nccl"
+    assert backend.group_backend("gloo") == "gloo"
