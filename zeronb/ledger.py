@@ -1,9 +1,11 @@
-"""Counting the bytes a rank sends, per collective, and the trace of each ring step.
+"""Counting the bytes a rank sends: per collective (logical), on the wire (the OS's count), and
+the trace of each ring step.
 
-    with CommLedger() as ledger:          # inside a rank
+    with CommLedger(wire=True) as ledger: # inside a rank
         dist.all_reduce(t)
         ring_all_reduce(u)
-    ledger.bytes_sent, ledger.by_op       # {"all_reduce": ..., "ring_all_reduce": ...}
+    ledger.bytes_sent, ledger.by_op       # logical: {"all_reduce": ..., "ring_all_reduce": ...}
+    ledger.wire_bytes                     # what this rank's gloo connections really sent (TCP_INFO)
     ledger.events                         # one event per ring step (send and receive sides)
 
 How it counts. A CommLedger is a TorchDispatchMode: every torch.distributed call reaches the
@@ -16,12 +18,21 @@ caller imported it, and the ledger sees it there.
   bandwidth: all-reduce 2(N-1)/N*S, reduce-scatter and all-gather (N-1)/N*S (S the full tensor),
   broadcast and reduce S. With equal chunks that is 2(N-1)*chunk and (N-1)*chunk bytes, chunk =
   ceil(S/N), the shard rule of zeronb.shards: exact when N divides the size.
-  (gloo's own reduce-scatter happens to run as a full all-reduce - twice the bytes - which is why
-  the ledger counts the logical volume and not the wire.)
+  That is a *logical* count: credited by formula, not observed.
+- The wire count is observed. `WireMeter` (or `CommLedger(wire=True)`) reads the kernel's own
+  counter of bytes sent (TCP_INFO's tcpi_bytes_sent, Linux 4.19+) on each of this rank's gloo
+  connections before and after, so it sees what gloo really did: its headers, and its
+  reduce-scatter, which PyTorch's gloo process group runs as a full all-reduce (twice the logical
+  bytes; ProcessGroupGloo::reduce_scatter in torch/csrc/distributed/c10d/ProcessGroupGloo.cpp).
+  It counts gloo over TCP only: NCCL moves GPU data over NVLink, PCIe or InfiniBand, where the
+  kernel counts nothing.
 """
 from __future__ import annotations
 
 import contextvars
+import os
+import socket
+import struct
 import time
 from collections import defaultdict
 
@@ -95,25 +106,112 @@ _COLLECTIVES = {
 }
 
 
-class CommLedger(TorchDispatchMode):
-    """Counts the bytes this rank sends while the context is open (see the module docstring)."""
+# struct tcp_info (include/uapi/linux/tcp.h): byte offsets of the counters read here
+_TCPI_NOTSENT_BYTES, _TCPI_BYTES_SENT, _TCP_INFO_LEN = 144, 200, 232
 
-    def __init__(self):
+
+def _peer_connections() -> dict:
+    """{(local port, peer address, peer port): socket fd} for this process's TCP connections to
+    other ranks: gloo's pairs. The connections to the notebook (control channel, rendezvous store)
+    are left out: their peer port is ZERONB_PORT or MASTER_PORT."""
+    skip = {int(os.environ[k]) for k in ("ZERONB_PORT", "MASTER_PORT") if os.environ.get(k)}
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            s = socket.socket(fileno=os.dup(int(name)))  # a copy: family and type read from the fd
+        except OSError:
+            continue
+        with s:
+            if s.type != socket.SOCK_STREAM or s.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                peer = s.getpeername()
+            except OSError:  # listening, or not connected
+                continue
+            if peer[1] not in skip:
+                out[(s.getsockname()[1], peer[0], peer[1])] = int(name)
+    return out
+
+
+def _tcp_info(fd: int) -> bytes:
+    with socket.socket(fileno=os.dup(fd)) as s:
+        return s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+
+
+def wire_counters(drain_s: float = 1.0) -> dict:
+    """{connection: bytes the kernel has sent on it so far}, for this rank's connections to other
+    ranks. Bytes still queued in a send buffer are waited for (up to `drain_s`), so that a count
+    taken right after a call includes everything the call handed to the kernel."""
+    if not hasattr(socket, "TCP_INFO"):
+        raise RuntimeError("counting bytes on the wire needs Linux's TCP_INFO; this system has none")
+    conns = _peer_connections()
+    deadline = time.monotonic() + drain_s
+    while True:
+        infos = {}
+        for key, fd in conns.items():
+            try:
+                infos[key] = _tcp_info(fd)
+            except OSError:  # closed meanwhile
+                pass
+        queued = sum(struct.unpack_from("I", i, _TCPI_NOTSENT_BYTES)[0] for i in infos.values())
+        if not queued or time.monotonic() > deadline:
+            return {key: struct.unpack_from("Q", i, _TCPI_BYTES_SENT)[0] for key, i in infos.items()}
+        time.sleep(0.001)
+
+
+class WireMeter:
+    """Bytes this rank sent to other ranks while the context was open, as the operating system
+    counted them on its TCP connections (gloo's): payload and gloo's own message headers.
+
+        with WireMeter() as wire:
+            dist.all_reduce(t)
+        wire.bytes, wire.by_connection
+    """
+
+    def __enter__(self):
+        self._before = wire_counters()
+        self.bytes, self.by_connection = None, {}
+        return self
+
+    def __exit__(self, *exc):
+        after = wire_counters()
+        self.by_connection = {k: v - self._before.get(k, 0) for k, v in after.items()}
+        self.bytes = sum(self.by_connection.values())
+
+
+class CommLedger(TorchDispatchMode):
+    """Counts the bytes this rank sends while the context is open (see the module docstring):
+    logically, per collective, always; on the wire too with `wire=True` (`wire_bytes`)."""
+
+    def __init__(self, wire: bool = False):
         super().__init__()
         self.by_op: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
         self.events: list[dict] = []
+        self._wire = WireMeter() if wire else None
 
     @property
     def bytes_sent(self) -> int:
+        """Logical bytes: what the algorithm sends (credited by formula for built-in collectives)."""
         return sum(self.by_op.values())
+
+    @property
+    def wire_bytes(self) -> int | None:
+        """Bytes the OS counted on this rank's connections to other ranks (None without wire=True)."""
+        return self._wire.bytes if self._wire is not None else None
 
     def __enter__(self):
         _active.append(self)
+        if self._wire is not None:
+            self._wire.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         _active.remove(self)
+        if self._wire is not None:
+            self._wire.__exit__(*exc)
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -144,7 +242,7 @@ class CommLedger(TorchDispatchMode):
     def summary(self) -> dict:
         """Plain data to send back to the notebook."""
         return {"bytes_sent": self.bytes_sent, "by_op": dict(self.by_op), "calls": dict(self.calls),
-                "events": list(self.events)}
+                "wire_bytes": self.wire_bytes, "events": list(self.events)}
 
 
 class scope:
