@@ -135,3 +135,34 @@ def test_activations_are_not_sharded_and_bf16_mixed_holds_2_2_12():
         for stage, (got, want) in rank_out["bf16"].items():
             for part in ("params", "grads", "optimizer"):
                 assert abs(got[part] - want[part]) <= 0.03 * want[part], (stage, part, got, want)
+
+
+def _zero2_fp32_grad_shard():
+    import torch.distributed as dist
+
+    from zeronb.models import Config, local_batch, make_model
+    from zeronb.zero import ZeRO2
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    cfg = Config(kind="gpt")
+    out = {}
+    for dtype in (None, torch.float32):
+        model = make_model(cfg, torch.bfloat16)
+        engine = ZeRO2(model, precision="bf16-mixed", grad_shard_dtype=dtype)
+        for step in range(2):
+            engine.train_step(*local_batch(cfg, step, rank, n, torch.bfloat16))
+        out[str(dtype)] = (memory.measure(**engine.state_tensors()), sum(p.numel() for p in model.parameters()),
+                           {k: v.clone() for k, v in engine.full_parameters().items()})
+    return out
+
+
+def test_zero2_with_an_fp32_gradient_shard_holds_2_plus_16_over_n_and_trains_the_same():
+    n = 2
+    with Cluster(n, backend="gloo", verbose=False) as c:
+        res = c.run(_zero2_fp32_grad_shard, echo=False)
+    for out in res:
+        (paper, psi, p_paper), (recipe, _, p_recipe) = out["None"], out["torch.float32"]
+        assert abs(paper["grads"] - 2 * psi / n) <= 0.03 * 2 * psi / n      # the paper's bf16 shard
+        assert abs(recipe["grads"] - 4 * psi / n) <= 0.03 * 4 * psi / n     # fp32: 2 + (4 + 12) / N in all
+        assert recipe["params"] == paper["params"] and recipe["optimizer"] == paper["optimizer"]
+        assert all(torch.equal(p_paper[k], p_recipe[k]) for k in p_paper)  # the same bf16 sums, upcast

@@ -24,14 +24,17 @@ from .engine import Engine
 class ZeRO2(Engine):
     stage = 2
 
-    def __init__(self, model, precision="float32", lr=1e-3, bucket_bytes: int = 64 << 10):
+    def __init__(self, model, precision="float32", lr=1e-3, bucket_bytes: int = 64 << 10,
+                 grad_shard_dtype: torch.dtype | None = None):
+        """`grad_shard_dtype`: keep the reduced gradient shard in another dtype than the
+        parameters' (torch.float32 in bf16-mixed: the recipe behind "2N + 16N/M", chapter 6)."""
         super().__init__(model, precision, lr)
         self.rank, n = dist.get_rank(), dist.get_world_size()
         self.buckets = make_buckets(list(model.parameters()), n, bucket_bytes)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         for b in self.buckets:
             b.shard = b.chunk(self.rank)              # this rank's parameters in the bucket
-            b.grad_shard = torch.zeros_like(b.shard)  # ... and their summed gradient: all we keep
+            b.grad_shard = torch.zeros_like(b.shard, dtype=grad_shard_dtype)  # their summed gradient: all we keep
             for p in b.params:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
         self._reset()
@@ -50,7 +53,12 @@ class ZeRO2(Engine):
             return
         # the bucket is complete: reduce-scatter it now, keep chunk r, free the full gradients
         full = b.flatten_grads()
-        reduce_scatter_single(b.grad_shard, full)
+        if b.grad_shard.dtype == full.dtype:
+            reduce_scatter_single(b.grad_shard, full)
+        else:  # reduced in the gradients' dtype, kept in the shard's
+            reduced = full.new_empty(b.grad_shard.numel())
+            reduce_scatter_single(reduced, full)
+            b.grad_shard.copy_(reduced)
         for q in b.params:
             q.grad = None
         self._note_grad_memory(extra=full)
