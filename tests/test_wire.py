@@ -65,3 +65,36 @@ def _nothing_sent():
 
 def test_no_traffic_no_bytes(pool):
     assert pool.run(_nothing_sent, echo=False) == [0] * pool.world_size
+
+
+def _stages_on_the_wire():
+    from zeronb.backend import ring_reduce_scatter
+    from zeronb.train import parse_args, train_rank
+
+    out = {}
+    for stage in range(4):
+        args = parse_args(["--model", "mlp", "--stage", str(stage), "--steps", "2", "--dtype", "float64"])
+        rep = train_rank(args)
+        with ring_reduce_scatter():
+            ring = train_rank(args)
+        out[stage] = (sum(rep["sent_bytes_per_step"].values()), rep["wire_bytes_per_step"],
+                      ring["wire_bytes_per_step"], rep["params"], ring["params"])
+    return out
+
+
+def test_each_stage_on_the_wire_with_gloo_and_with_a_ring_reduce_scatter():
+    n = 4
+    with Cluster(n, backend="gloo", verbose=False) as c:
+        res = c.run(_stages_on_the_wire, echo=False)
+    small = 0.06  # a small model's training step sends many small messages: headers weigh more
+    for rank_res in res:
+        ddp_wire = rank_res[0][1]
+        for stage, (logical, wire, wire_ring, p_gloo, p_ring) in rank_res.items():
+            assert logical <= wire_ring <= logical * (1 + small), (stage, logical, wire_ring)
+            if stage in (1, 2):  # gloo's reduce-scatter is an all-reduce: 2 + 1 shards' worth, not 1 + 1
+                assert 1.45 < wire / logical < 1.6, (stage, wire, logical)
+                assert abs(wire_ring / ddp_wire - 1) < 0.03  # with a real reduce-scatter: DDP's bytes
+            if stage == 0:
+                assert logical <= wire <= logical * (1 + small)
+            for k in p_gloo:  # the same training either way (the ring adds in another order: rounding)
+                assert (p_gloo[k] - p_ring[k]).abs().max().item() < 1e-12

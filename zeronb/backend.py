@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -143,17 +144,43 @@ if hasattr(dist, "all_gather_single"):
     def all_gather_single(output, input, group=None, async_op=False):
         return dist.all_gather_single(output, input, group=group, async_op=async_op)
 
-    def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    def _torch_reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
         return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 else:
     def all_gather_single(output, input, group=None, async_op=False):
         return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
 
-    def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    def _torch_reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
         return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
 
 all_gather_single.__doc__ = "all-gather into one flat tensor (all_gather_single, or its pre-2.13 name)"
-reduce_scatter_single.__doc__ = "reduce-scatter one flat tensor (reduce_scatter_single, or its pre-2.13 name)"
+
+_reduce_scatter_by_ring = False  # a module flag, not a context variable: autograd hooks run in other threads
+
+
+def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    """Reduce-scatter one flat tensor (reduce_scatter_single, or its pre-2.13 name), or, inside
+    `ring_reduce_scatter()`, zeronb's ring."""
+    if _reduce_scatter_by_ring and group is None and not async_op and op == dist.ReduceOp.SUM:
+        from .collectives import ring_reduce_scatter
+
+        output.copy_(ring_reduce_scatter(input))
+        return None
+    return _torch_reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+
+
+@contextmanager
+def ring_reduce_scatter():
+    """Run the stages' reduce-scatters as zeronb's ring (point-to-point sends) while the context is
+    open. PyTorch's gloo group carries out a reduce-scatter as a whole all-reduce, twice the bytes;
+    the ring sends the (N-1)/N of the tensor a reduce-scatter needs, so that bytes on the wire
+    measure the algorithm rather than gloo's shortcut."""
+    global _reduce_scatter_by_ring
+    before, _reduce_scatter_by_ring = _reduce_scatter_by_ring, True
+    try:
+        yield
+    finally:
+        _reduce_scatter_by_ring = before
 
 
 def fully_shard():

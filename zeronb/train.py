@@ -121,9 +121,11 @@ def train_rank(args) -> dict:
     """Run inside a rank (a pool's or torchrun's): train, measure, and report."""
     rank, n = dist.get_rank(), dist.get_world_size()
     cfg, dtype = _config(args), model_dtype(args.dtype)
-    from .backend import device
+    from .backend import backend_for, device
 
     dev = device()
+    # bytes on the wire, as the OS counts them, where gloo carries the traffic over TCP
+    wire = sys.platform.startswith("linux") and backend_for(dev) == "gloo"
     model = make_model(cfg, dtype, dev)
     engine = _engine(args, model)
     memory.reset_cuda_peak(dev)  # the peak this run reaches, not an earlier call's on this rank
@@ -132,7 +134,7 @@ def train_rank(args) -> dict:
         x, y = local_batch(cfg, step, rank, n, dtype, dev)
         dist.barrier()
         t0 = time.perf_counter()
-        with CommLedger() as ledger:
+        with CommLedger(wire=wire) as ledger:
             losses.append(engine.train_step(x, y))
         if dev.type == "cuda":
             torch.cuda.synchronize()
@@ -143,6 +145,7 @@ def train_rank(args) -> dict:
     report = _rank_report(args, model, engine.state_tensors(), sent, times, n, rank, dev)
     report["final_loss"] = loss.item() / n
     report["calls_per_step"] = calls
+    report["wire_bytes_per_step"] = ledger.wire_bytes  # None where the OS cannot count (NCCL)
     report["memory_timeline"] = getattr(engine, "memory", [])
     report["events"] = [list(e) for e in getattr(engine, "events", [])]
     full = engine.full_parameters()
