@@ -96,5 +96,5 @@ def test_each_stage_on_the_wire_with_gloo_and_with_a_ring_reduce_scatter():
                 assert abs(wire_ring / ddp_wire - 1) < 0.03  # with a real reduce-scatter: DDP's bytes
             if stage == 0:
                 assert logical <= wire <= logical * (1 + small)
-            for k in p_gloo:  # the same training either way (the ring adds in another order: rounding)
+            for k in p_gloo or {}:  # rank 0 has them: the same training (the ring adds in another order)
                 assert (p_gloo[k] - p_ring[k]).abs().max().item() < 1e-12
