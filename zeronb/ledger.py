@@ -20,7 +20,7 @@ caller imported it, and the ledger sees it there.
   ceil(S/N), the shard rule of zeronb.shards: exact when N divides the size.
   That is a *logical* count: credited by formula, not observed.
 - The wire count is observed. `WireMeter` (or `CommLedger(wire=True)`) reads the kernel's own
-  counter of bytes sent (TCP_INFO's tcpi_bytes_sent, Linux 4.19+) on each of this rank's gloo
+  counter of bytes sent (TCP_INFO's tcpi_bytes_sent less retransmissions, Linux 4.19+) on each of this rank's gloo
   connections before and after, so it sees what gloo really did: its headers, and its
   reduce-scatter, which PyTorch's gloo process group runs as a full all-reduce (twice the logical
   bytes; ProcessGroupGloo::reduce_scatter in torch/csrc/distributed/c10d/ProcessGroupGloo.cpp).
@@ -107,7 +107,7 @@ _COLLECTIVES = {
 
 
 # struct tcp_info (include/uapi/linux/tcp.h): byte offsets of the counters read here
-_TCPI_NOTSENT_BYTES, _TCPI_BYTES_SENT, _TCP_INFO_LEN = 144, 200, 232
+_TCPI_NOTSENT_BYTES, _TCPI_BYTES_SENT, _TCPI_BYTES_RETRANS, _TCP_INFO_LEN = 144, 200, 208, 232
 
 
 def _peer_connections() -> dict:
@@ -142,8 +142,10 @@ def _tcp_info(fd: int) -> bytes:
 
 def wire_counters(drain_s: float = 1.0) -> dict:
     """{connection: bytes the kernel has sent on it so far}, for this rank's connections to other
-    ranks. Bytes still queued in a send buffer are waited for (up to `drain_s`), so that a count
-    taken right after a call includes everything the call handed to the kernel."""
+    ranks: tcpi_bytes_sent less tcpi_bytes_retrans, each byte once even when TCP had to send it
+    again (which happens on a busy machine's loopback too). Bytes still queued in a send buffer
+    are waited for (up to `drain_s`), so that a count taken right after a call includes
+    everything the call handed to the kernel."""
     if not hasattr(socket, "TCP_INFO"):
         raise RuntimeError("counting bytes on the wire needs Linux's TCP_INFO; this system has none")
     conns = _peer_connections()
@@ -157,7 +159,8 @@ def wire_counters(drain_s: float = 1.0) -> dict:
                 pass
         queued = sum(struct.unpack_from("I", i, _TCPI_NOTSENT_BYTES)[0] for i in infos.values())
         if not queued or time.monotonic() > deadline:
-            return {key: struct.unpack_from("Q", i, _TCPI_BYTES_SENT)[0] for key, i in infos.items()}
+            return {key: struct.unpack_from("Q", i, _TCPI_BYTES_SENT)[0] - struct.unpack_from("Q", i, _TCPI_BYTES_RETRANS)[0]
+                    for key, i in infos.items()}
         time.sleep(0.001)
 
 

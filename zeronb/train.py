@@ -10,7 +10,9 @@ counterpart instead of zeronb's: DistributedDataParallel (0), ZeroRedundancyOpti
 
 The report (--report) holds, per rank, the bytes of parameters, gradients and optimizer state it
 holds between steps, the bytes zeronb.memory's formula expects, the bytes it sent in the last step
-per collective, and the median step time; plus the final loss (of the global batch).
+per collective (logical: what the algorithm sends) and on the wire (what the OS counted on gloo's
+TCP connections; None under NCCL), the device, CUDA's allocated and peak bytes on a GPU, and the
+median step time; plus the final loss (of the global batch).
 """
 from __future__ import annotations
 
@@ -218,10 +220,11 @@ def main(argv=None) -> int:
             with open(args.report, "w") as f:
                 json.dump(report, f, indent=1)
         r0 = report["ranks"][0]
-        sent = sum(r0["sent_bytes_per_step"].values())
+        sent, wire = sum(r0["sent_bytes_per_step"].values()), r0.get("wire_bytes_per_step")
+        on_wire = f" ({wire / 1024:.1f} KiB on the wire)" if wire is not None else ""
         print(f"stage {args.stage} ({args.impl}), {report['world_size']} rank(s), {args.model}, {args.dtype}: "
               f"final loss {report['final_loss']:.6f}; rank 0 holds {sum(r0['bytes'].values()) / 1024:.1f} KiB "
-              f"of model states, sent {sent / 1024:.1f} KiB in the last step, {r0['step_ms']:.1f} ms/step")
+              f"of model states, sent {sent / 1024:.1f} KiB{on_wire} in the last step, {r0['step_ms']:.1f} ms/step")
     if dist.is_initialized() and "RANK" in os.environ:
         dist.destroy_process_group()
     return 0
