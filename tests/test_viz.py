@@ -275,3 +275,27 @@ def test_ring_explorer(traced):
     box.slider.value = 1
     assert "reduce-scatter, step 1" in box.children[0].children[1].value
     assert matplotlib.pyplot.get_fignums() == open_before
+
+
+def test_display_table_and_show_source(capsys):
+    from zeronb.display import show_source, table
+    from zeronb.shards import bounds
+
+    html = table(["a", "b"], [[1, "<code>x</code>"], [2, 3]]).data
+    assert html.count("<tr>") == 3 and "<th>a</th>" in html and "<td><code>x</code></td>" in html
+    show_source(bounds)
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert first.startswith("# zeronb/shards.py, lines ") and "def bounds(" in out
+
+
+def test_max_diff_compares_runs_by_name():
+    import pytest
+    import torch
+
+    from zeronb.train import max_diff
+
+    a = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.5])}
+    assert max_diff(a, {"w": torch.tensor([1.0, 2.5]), "b": torch.tensor([0.5])}) == 0.5
+    with pytest.raises(ValueError, match="different parameters"):
+        max_diff(a, {"w": a["w"]})

@@ -105,6 +105,14 @@ def train_single(args, device=None) -> dict:
             "params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()}}
 
 
+def max_diff(a: dict, b: dict) -> float:
+    """Largest |difference| over all parameters of two {name: tensor} dicts (on the CPU): how far a
+    run is from the reference. The two must name the same parameters."""
+    if set(a) != set(b):
+        raise ValueError(f"the two runs name different parameters: {sorted(set(a) ^ set(b))}")
+    return max((a[k].detach().cpu() - b[k].detach().cpu()).abs().max().item() for k in a)
+
+
 # --- one rank of a distributed run ---------------------------------------------------------------
 
 def _engine(args, model):
