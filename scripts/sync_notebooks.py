@@ -22,7 +22,9 @@ import os
 
 if importlib.util.find_spec("zeronb") is None:
     source = os.environ.get("ZERONB_SOURCE", "zeronb @ git+{url}@{branch}")
-    %pip install --quiet "{{source}}"'''
+    %pip install --quiet "{{source}}"
+
+import zeronb  # now: it starts the helper process the ranks are forked from while the rest imports'''
 
 
 def first_cell_source() -> str:
