@@ -166,3 +166,46 @@ def test_zero2_with_an_fp32_gradient_shard_holds_2_plus_16_over_n_and_trains_the
         assert abs(recipe["grads"] - 4 * psi / n) <= 0.03 * 4 * psi / n     # fp32: 2 + (4 + 12) / N in all
         assert recipe["params"] == paper["params"] and recipe["optimizer"] == paper["optimizer"]
         assert all(torch.equal(p_paper[k], p_recipe[k]) for k in p_paper)  # the same bf16 sums, upcast
+
+
+def _accumulate(model, dtype):
+    from zeronb.train import parse_args, train_rank
+
+    out = {}
+    for stage in range(4):
+        for impl in ("zeronb", "torch"):
+            for sync in ("every", "last"):
+                args = parse_args(["--model", model, "--stage", str(stage), "--impl", impl, "--dtype", dtype,
+                                   "--steps", "2", "--grad-accum", "2", "--accum-sync", sync])
+                rep = train_rank(args)
+                out[stage, impl, sync] = {k: rep[k] for k in ("params", "calls_per_step", "wire_bytes_per_step",
+                                                               "grad_bytes_after_micro_batch", "num_params")}
+    return out
+
+
+def test_gradient_accumulation_matches_one_process_on_the_whole_batch_for_every_stage_and_choice():
+    with Cluster(2, backend="gloo", verbose=False) as c:
+        res = c.run(_accumulate, "gpt", "float64", echo=False, timeout=600)
+    ref = train_single(_args(model="gpt", dtype="float64", stage=0, steps=2))["params"]
+    for (stage, impl, sync), r in res[0].items():
+        err = max((r["params"][k] - ref[k]).abs().max().item() for k in ref)
+        assert err <= 1e-10, (stage, impl, sync, err)
+    psi_b = res[0][0, "zeronb", "every"]["num_params"] * 8
+    for out in res:  # every rank
+        z = {key: r for key, r in out.items() if key[1] == "zeronb"}
+        # sync every micro-batch: the gradient collective twice (K = 2); after the last only: once
+        assert z[0, "zeronb", "every"]["calls_per_step"]["all_reduce"] == 2 * z[0, "zeronb", "last"]["calls_per_step"]["all_reduce"]
+        for stage in (2, 3):
+            assert z[stage, "zeronb", "every"]["calls_per_step"]["reduce_scatter"] == \
+                2 * z[stage, "zeronb", "last"]["calls_per_step"]["reduce_scatter"]
+        # on the wire (the OS's count): DDP's every-micro-batch sync sends about twice the bytes
+        ratio = z[0, "zeronb", "every"]["wire_bytes_per_step"] / z[0, "zeronb", "last"]["wire_bytes_per_step"]
+        assert 1.9 < ratio < 2.1, ratio
+        # memory between micro-batches: ZeRO-2/3 keeping full gradients hold them all (Ψb); reduce-
+        # scattering every micro-batch holds only shards; DDP syncing every micro-batch holds a second copy
+        for stage in (2, 3):
+            every = z[stage, "zeronb", "every"]["grad_bytes_after_micro_batch"][0]
+            last = z[stage, "zeronb", "last"]["grad_bytes_after_micro_batch"][0]
+            assert every < 0.6 * psi_b <= psi_b <= last, (stage, every, last, psi_b)
+        assert z[0, "zeronb", "every"]["grad_bytes_after_micro_batch"][0] >= 2 * psi_b > \
+            z[0, "zeronb", "last"]["grad_bytes_after_micro_batch"][0]

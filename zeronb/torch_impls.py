@@ -25,8 +25,9 @@ def _allreduce_hook(state, bucket):
 
 
 class TorchStage:
-    def __init__(self, model, stage: int, lr: float = 1e-3):
+    def __init__(self, model, stage: int, lr: float = 1e-3, sync_each_micro_batch: bool = True):
         self.stage, self.model = stage, model
+        self.sync_each_micro_batch = sync_each_micro_batch
         dev = device()
         if stage in (0, 1):
             from torch.nn.parallel import DistributedDataParallel
@@ -52,13 +53,27 @@ class TorchStage:
             self.wrapped = model
             self.optimizer = torch.optim.Adam(model.parameters(), lr=lr, foreach=False)
 
-    def train_step(self, x, y) -> float:
-        loss = self.model.loss(self.wrapped(x), y)
-        loss.backward()
+    def train_step(self, x, y, micro_batches: int = 1) -> float:
+        """Like the engines': K micro-batches, one step. Skipping the gradient sync on all but the
+        last is DDP's `no_sync()` and FSDP2's `set_requires_gradient_sync(False)`."""
+        import contextlib
+
+        total = 0.0
+        for i, (xi, yi) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
+            sync = self.sync_each_micro_batch or i == micro_batches - 1
+            context = contextlib.nullcontext()
+            if self.stage in (0, 1):
+                context = contextlib.nullcontext() if sync else self.wrapped.no_sync()
+            else:
+                self.model.set_requires_gradient_sync(sync)
+            with context:
+                loss = self.model.loss(self.wrapped(xi), yi) / micro_batches
+                loss.backward()
+            total += loss.item()
         self.optimizer.step()
         self._last_grads = [p.grad for p in self.model.parameters()]  # resident until zeroed
         self.optimizer.zero_grad(set_to_none=False)
-        return loss.item()
+        return total
 
     def state_tensors(self):
         return {"params": list(self.model.parameters()), "grads": [p.grad for p in self.model.parameters()],

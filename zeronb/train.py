@@ -45,6 +45,12 @@ def parse_args(argv=None):
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--impl", choices=["zeronb", "torch"], default="zeronb")
     p.add_argument("--prefetch", action="store_true", help="stage 3: prefetch the next unit's parameters")
+    p.add_argument("--grad-accum", type=int, default=1, metavar="K",
+                   help="split each rank's share of --global-batch into K micro-batches; the result is still "
+                        "one step on the whole global batch")
+    p.add_argument("--accum-sync", choices=["every", "last"], default="every",
+                   help="with --grad-accum: communicate gradients after every micro-batch, or only after the "
+                        "last (DDP's no_sync; ZeRO-2/3 keep the full gradients until then)")
     p.add_argument("--report", default=None, help="write the JSON report here")
     p.add_argument("--save-params", default=None, help="rank 0 saves {name: full tensor} here (torch.save)")
     p.add_argument("--timeout", type=float, default=600, help="seconds for the whole run on a pool")
@@ -53,6 +59,8 @@ def parse_args(argv=None):
         p.error("--impl torch runs float32 or float64 (the comparison is about the algorithm, not precision)")
     if args.steps < 1:
         p.error("--steps must be at least 1")
+    if args.grad_accum < 1 or args.global_batch % args.grad_accum:
+        p.error(f"--grad-accum must be a positive divisor of --global-batch ({args.global_batch}), not {args.grad_accum}")
     return args
 
 
@@ -117,14 +125,17 @@ def max_diff(a: dict, b: dict) -> float:
 
 def _engine(args, model):
     """The stage to train with: zeronb's own, or PyTorch's counterpart."""
+    sync_each = args.accum_sync == "every"
     if args.impl == "zeronb":
         from .zero import STAGES
 
         kw = {"prefetch": args.prefetch} if args.stage == 3 else {}
+        if args.stage != 1:  # ZeRO-1 holds full gradients anyway and reduce-scatters once, at the step
+            kw["sync_each_micro_batch"] = sync_each
         return STAGES[args.stage](model, precision=args.dtype, lr=args.lr, **kw)
     from .torch_impls import TorchStage
 
-    return TorchStage(model, args.stage, lr=args.lr)
+    return TorchStage(model, args.stage, lr=args.lr, sync_each_micro_batch=sync_each)
 
 
 def train_rank(args) -> dict:
@@ -145,7 +156,7 @@ def train_rank(args) -> dict:
         dist.barrier()
         t0 = time.perf_counter()
         with CommLedger(wire=wire) as ledger:
-            losses.append(engine.train_step(x, y))
+            losses.append(engine.train_step(x, y, micro_batches=args.grad_accum))
         if dev.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
@@ -156,6 +167,8 @@ def train_rank(args) -> dict:
     report["final_loss"] = loss.item() / n
     report["calls_per_step"] = calls
     report["wire_bytes_per_step"] = ledger.wire_bytes  # None where the OS cannot count (NCCL)
+    # gradients held after each micro-batch's backward (zeronb's engines): what accumulation costs
+    report["grad_bytes_after_micro_batch"] = getattr(engine, "grad_bytes_after_micro_batch", None)
     report["memory_timeline"] = getattr(engine, "memory", [])
     report["events"] = [list(e) for e in getattr(engine, "events", [])]
     full = engine.full_parameters()
@@ -200,7 +213,8 @@ def run(args) -> dict:
             r.pop("params", None)
         losses = [r["final_loss"] for r in ranks]
     return {"stage": args.stage, "world_size": world_size, "impl": args.impl, "model": args.model,
-            "dtype": args.dtype, "num_params": ranks[0]["num_params"], "final_loss": losses[0],
+            "dtype": args.dtype, "grad_accum": args.grad_accum, "accum_sync": args.accum_sync,
+            "num_params": ranks[0]["num_params"], "final_loss": losses[0],
             "ranks": ranks, "params": params}
 
 

@@ -47,8 +47,10 @@ class DDP(Engine):
 
     stage = 0
 
-    def __init__(self, model, precision="float32", lr=1e-3, bucket_bytes: int | None = 64 << 10):
+    def __init__(self, model, precision="float32", lr=1e-3, bucket_bytes: int | None = 64 << 10,
+                 sync_each_micro_batch: bool = True):
         super().__init__(model, precision, lr)
+        self.sync_each_micro_batch = sync_each_micro_batch
         n = dist.get_world_size()
         self.buckets = make_buckets(list(model.parameters()), n, bucket_bytes)
         for b in self.buckets:
@@ -57,6 +59,7 @@ class DDP(Engine):
                 p.grad = g                              # autograd accumulates into this view
                 p.register_post_accumulate_grad_hook(self._grad_ready)
             b.pending = set()
+            b.synced = None  # with accumulation, synced every micro-batch: the sums so far
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.works = []
         self._reset()
@@ -67,15 +70,32 @@ class DDP(Engine):
         for b in self.buckets:
             b.pending = set(b.params)
 
+    def begin_micro_batch(self, index, count):
+        super().begin_micro_batch(index, count)
+        self._reset()
+
     def _grad_ready(self, p):
         b = self.bucket_of[p]
         b.pending.discard(p)
-        if not b.pending:  # the whole bucket's gradients exist: send it while backward goes on
+        if not b.pending and self.sync_now():  # the bucket's gradients exist: send it while backward goes on
             self.works.append((b, dist.all_reduce(b.grad, async_op=True)))
+
+    def end_micro_batch(self):
+        if self.last_micro_batch or not self.sync_each_micro_batch:
+            return  # (no_sync: the gradients keep adding up in place until the last micro-batch)
+        # synced after this micro-batch: move the sums aside, so the next backward starts from zero
+        for b, work in self.works:
+            work.wait()
+            b.synced = b.grad.clone() if b.synced is None else b.synced.add_(b.grad)
+            b.grad.zero_()
+        self.works = []
 
     def step(self):
         for b, work in self.works:
             work.wait()
+            if b.synced is not None:
+                b.grad.add_(b.synced)
+                b.synced.zero_()
             average_(b.grad)
         self.works = []
         self.adam.step([b.grad for b in self.buckets])
@@ -84,5 +104,6 @@ class DDP(Engine):
         self._reset()
 
     def state_tensors(self):
-        return {"params": [b.data for b in self.buckets], "grads": [b.grad for b in self.buckets],
+        return {"params": [b.data for b in self.buckets],
+                "grads": [b.grad for b in self.buckets] + [b.synced for b in self.buckets],
                 "optimizer": self.adam.state_tensors()}

@@ -7,12 +7,21 @@ from .common import model_dtype
 
 
 class Engine:
-    """Base of the stages: `train_step` runs forward and backward, then the stage's `step`."""
+    """Base of the stages: `train_step` runs forward and backward, then the stage's `step`.
+
+    Gradient accumulation: `train_step(x, y, micro_batches=K)` splits this rank's batch into K
+    micro-batches and runs forward and backward on each (the loss divided by K, so that the
+    gradients add up to the whole batch's), then one optimizer step. A stage that communicates
+    gradients during backward does so after every micro-batch when `sync_each_micro_batch` is
+    true, and only after the last one otherwise (DDP's `no_sync`; for ZeRO-2 and ZeRO-3, keeping
+    the full gradients until then): the second sends 1/K of the bytes, the first holds less."""
 
     stage = None
+    sync_each_micro_batch = True
 
     def __init__(self, model: torch.nn.Module, precision: str = "float32", lr: float = 1e-3):
         self.model = model
+        self.last_micro_batch = True
         self.precision = precision
         self.lr = lr
         self.dtype = model_dtype(precision)
@@ -24,13 +33,36 @@ class Engine:
     def loss(self, x, y) -> torch.Tensor:
         return self.model.loss(self.model(x), y)
 
-    def train_step(self, x, y) -> float:
-        """One step on this rank's batch: forward, backward (the stage's hooks fire inside it),
-        then the stage's communication and optimizer step. Returns the local loss."""
-        loss = self.loss(x, y)
-        loss.backward()
+    def train_step(self, x, y, micro_batches: int = 1) -> float:
+        """One step on this rank's batch: forward and backward (the stage's hooks fire inside it)
+        on each of `micro_batches` equal slices of it, then the stage's communication and
+        optimizer step. Returns the local loss."""
+        if micro_batches < 1 or len(x) % micro_batches:
+            raise ValueError(f"this rank's batch of {len(x)} rows does not split into {micro_batches} equal "
+                             "micro-batches; choose a number of micro-batches that divides it")
+        from ..memory import tensor_bytes
+
+        total = 0.0
+        self.grad_bytes_after_micro_batch = []  # what accumulation costs in memory: gradients held
+        for i, (xi, yi) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
+            self.begin_micro_batch(i, micro_batches)
+            loss = self.loss(xi, yi) / micro_batches
+            loss.backward()
+            self.end_micro_batch()
+            self.grad_bytes_after_micro_batch.append(tensor_bytes(self.state_tensors()["grads"]))
+            total += loss.item()
         self.step()
-        return loss.item()
+        return total
+
+    def begin_micro_batch(self, index: int, count: int) -> None:
+        self.last_micro_batch = index == count - 1
+
+    def end_micro_batch(self) -> None:
+        """After a micro-batch's backward (a stage may fold what it communicated into its sums)."""
+
+    def sync_now(self) -> bool:
+        """Whether the gradients of this backward are communicated now (else: kept until the last)."""
+        return self.sync_each_micro_batch or self.last_micro_batch
 
     def step(self) -> None:
         raise NotImplementedError

@@ -25,10 +25,13 @@ class ZeRO2(Engine):
     stage = 2
 
     def __init__(self, model, precision="float32", lr=1e-3, bucket_bytes: int = 64 << 10,
-                 grad_shard_dtype: torch.dtype | None = None):
+                 grad_shard_dtype: torch.dtype | None = None, sync_each_micro_batch: bool = True):
         """`grad_shard_dtype`: keep the reduced gradient shard in another dtype than the
-        parameters' (torch.float32 in bf16-mixed: the recipe behind "2N + 16N/M", chapter 6)."""
+        parameters' (torch.float32 in bf16-mixed: the recipe behind "2N + 16N/M", chapter 6).
+        `sync_each_micro_batch` (with accumulation): reduce-scatter every micro-batch into the
+        shard, or keep the full gradients until the last one and reduce-scatter once."""
         super().__init__(model, precision, lr)
+        self.sync_each_micro_batch = sync_each_micro_batch
         self.rank, n = dist.get_rank(), dist.get_world_size()
         self.buckets = make_buckets(list(model.parameters()), n, bucket_bytes)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
@@ -45,20 +48,21 @@ class ZeRO2(Engine):
         for b in self.buckets:
             b.pending = set(b.params)
 
+    def begin_micro_batch(self, index, count):
+        super().begin_micro_batch(index, count)
+        self._reset()
+
     def _grad_ready(self, p):
         b = self.bucket_of[p]
         b.pending.discard(p)
         self._note_grad_memory()
-        if b.pending:
+        if b.pending or not self.sync_now():  # (not now: the full gradients add up until the last micro-batch)
             return
-        # the bucket is complete: reduce-scatter it now, keep chunk r, free the full gradients
+        # the bucket is complete: reduce-scatter it now, add chunk r to the shard, free the full gradients
         full = b.flatten_grads()
-        if b.grad_shard.dtype == full.dtype:
-            reduce_scatter_single(b.grad_shard, full)
-        else:  # reduced in the gradients' dtype, kept in the shard's
-            reduced = full.new_empty(b.grad_shard.numel())
-            reduce_scatter_single(reduced, full)
-            b.grad_shard.copy_(reduced)
+        reduced = full.new_empty(b.grad_shard.numel())  # in the gradients' dtype; the shard's may differ
+        reduce_scatter_single(reduced, full)
+        b.grad_shard.add_(reduced)
         for q in b.params:
             q.grad = None
         self._note_grad_memory(extra=full)
@@ -78,5 +82,7 @@ class ZeRO2(Engine):
         self._reset()
 
     def state_tensors(self):
-        return {"params": [b.data for b in self.buckets], "grads": [b.grad_shard for b in self.buckets],
+        # the shards, and any full gradient still waiting for its bucket (or for the last micro-batch)
+        return {"params": [b.data for b in self.buckets],
+                "grads": [b.grad_shard for b in self.buckets] + [p.grad for p in self.model.parameters()],
                 "optimizer": self.adam.state_tensors()}

@@ -81,8 +81,9 @@ class ZeRO3(Engine):
     stage = 3
 
     def __init__(self, model, precision="float32", lr=1e-3, reshard_after_forward: bool = True,
-                 prefetch: bool = False):
+                 prefetch: bool = False, sync_each_micro_batch: bool = True):
         super().__init__(model, precision, lr)
+        self.sync_each_micro_batch = sync_each_micro_batch
         self.rank, n = dist.get_rank(), dist.get_world_size()
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.units = [Unit(i, m, self.rank, n) for i, m in enumerate(model.units())]
@@ -127,13 +128,19 @@ class ZeRO3(Engine):
         u.pending.discard(p)
         if u.pending:
             return
-        # the unit's gradients are complete: reduce-scatter them, keep chunk r, free everything full
+        # the unit's gradients are complete: reduce-scatter them, add chunk r, free everything full
         t0 = self._now()
         self.events.append(("backward", u.index, u.t_compute, t0))
+        if not self.sync_now():  # accumulating: keep the full gradients until the last micro-batch
+            u.free()
+            self._note(f"after backward {u.index}")
+            return
         full = u.flat.flatten_grads()
         for q in u.flat.params:
             q.grad = None
-        reduce_scatter_single(u.grad_shard, full)
+        reduced = torch.empty_like(u.grad_shard)
+        reduce_scatter_single(reduced, full)
+        u.grad_shard.add_(reduced)
         self.events.append(("reduce-scatter", u.index, t0, self._now()))
         del full
         u.free()
