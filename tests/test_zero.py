@@ -15,6 +15,7 @@ STEPS = 5
 def _args(**kw) -> argparse.Namespace:
     a = parse_args([])
     a.steps = STEPS
+    a.clip = None
     for k, v in kw.items():
         setattr(a, k, v)
     return a
@@ -209,3 +210,33 @@ def test_gradient_accumulation_matches_one_process_on_the_whole_batch_for_every_
             assert every < 0.6 * psi_b <= psi_b <= last, (stage, every, last, psi_b)
         assert z[0, "zeronb", "every"]["grad_bytes_after_micro_batch"][0] >= 2 * psi_b > \
             z[0, "zeronb", "last"]["grad_bytes_after_micro_batch"][0]
+
+
+def _clipped(clip):
+    from zeronb.train import parse_args, train_rank
+
+    out = {}
+    for stage in range(4):
+        for impl in ("zeronb", "torch"):
+            argv = ["--model", "gpt", "--stage", str(stage), "--impl", impl, "--dtype", "float64", "--steps", "3"]
+            rep = train_rank(parse_args(argv + (["--clip", str(clip)] if clip else [])))
+            out[stage, impl] = (rep["params"], rep["grad_norm"])
+    return out
+
+
+def test_global_norm_clipping_over_shards_matches_clip_grad_norm_on_one_process():
+    clip = 0.05  # well below this model's gradient norm (~0.4): every step is clipped
+    with Cluster(2, backend="gloo", verbose=False) as c:
+        res = c.run(_clipped, clip, echo=False, timeout=600)
+        unclipped = c.run(_clipped, None, echo=False, timeout=600)[0]
+    ref = train_single(_args(model="gpt", dtype="float64", stage=0, steps=3, clip=clip))
+    plain = train_single(_args(model="gpt", dtype="float64", stage=0, steps=3))["params"]
+    assert max((ref["params"][k] - plain[k]).abs().max().item() for k in plain) > 1e-6  # clipping mattered
+    for key, (params, norm) in res[0].items():
+        err = max((params[k] - ref["params"][k]).abs().max().item() for k in ref["params"])
+        assert err <= 1e-10, (key, err)
+        assert abs(norm - ref["ranks"][0]["grad_norm"]) <= 1e-12 * norm, (key, norm)
+        assert unclipped[key][1] is None
+    for out in res[1:]:  # every rank saw the same norm: one all-reduce of the partial sums
+        for key, (_, norm) in out.items():
+            assert abs(norm - res[0][key][1]) <= 1e-15 * norm, key

@@ -25,6 +25,9 @@ def _allreduce_hook(state, bucket):
 
 
 class TorchStage:
+    clip_norm = None  # torch.nn.utils.clip_grad_norm_ before each step (FSDP2's sharded grads too)
+    last_grad_norm = None
+
     def __init__(self, model, stage: int, lr: float = 1e-3, sync_each_micro_batch: bool = True):
         self.stage, self.model = stage, model
         self.sync_each_micro_batch = sync_each_micro_batch
@@ -70,6 +73,9 @@ class TorchStage:
                 loss = self.model.loss(self.wrapped(xi), yi) / micro_batches
                 loss.backward()
             total += loss.item()
+        if self.clip_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)
+            self.last_grad_norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
         self.optimizer.step()
         self._last_grads = [p.grad for p in self.model.parameters()]  # resident until zeroed
         self.optimizer.zero_grad(set_to_none=False)

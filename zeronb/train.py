@@ -48,6 +48,9 @@ def parse_args(argv=None):
     p.add_argument("--grad-accum", type=int, default=1, metavar="K",
                    help="split each rank's share of --global-batch into K micro-batches; the result is still "
                         "one step on the whole global batch")
+    p.add_argument("--clip", type=float, default=None, metavar="NORM",
+                   help="clip by the global gradient norm, as torch.nn.utils.clip_grad_norm_ would on one "
+                        "process holding the whole model")
     p.add_argument("--accum-sync", choices=["every", "last"], default="every",
                    help="with --grad-accum: communicate gradients after every micro-batch, or only after the "
                         "last (DDP's no_sync; ZeRO-2/3 keep the full gradients until then)")
@@ -59,6 +62,8 @@ def parse_args(argv=None):
         p.error("--impl torch runs float32 or float64 (the comparison is about the algorithm, not precision)")
     if args.steps < 1:
         p.error("--steps must be at least 1")
+    if args.clip is not None and not args.clip > 0:
+        p.error(f"--clip must be a positive norm, not {args.clip}")
     if args.grad_accum < 1 or args.global_batch % args.grad_accum:
         p.error(f"--grad-accum must be a positive divisor of --global-batch ({args.global_batch}), not {args.grad_accum}")
     return args
@@ -84,7 +89,7 @@ def train_single(args, device=None) -> dict:
     master = [p.detach().float().clone() for p in params] if mixed else params
     opt = torch.optim.Adam(master, lr=args.lr, foreach=False)
     memory.reset_cuda_peak(dev)
-    losses, times = [], []
+    losses, times, grad_norm = [], [], None
     for step in range(args.steps):
         t0 = time.perf_counter()
         x, y = global_batch(cfg, step, dtype, dev)
@@ -96,6 +101,8 @@ def train_single(args, device=None) -> dict:
         if mixed:
             for m, p in zip(master, params):
                 m.grad = p.grad.float()
+        if args.clip is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(master, args.clip).item()
         opt.step()
         if mixed:
             with torch.no_grad():
@@ -109,6 +116,7 @@ def train_single(args, device=None) -> dict:
     state = {"params": params, "grads": [p.grad for p in params],
              "optimizer": memory.optimizer_tensors(opt) + (master if mixed else [])}
     rank_report = _rank_report(args, model, state, {}, times, world_size=1, rank=0, device=dev)
+    rank_report["grad_norm"] = grad_norm if args.clip is not None else None
     return {"losses": losses, "ranks": [rank_report],
             "params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()}}
 
@@ -132,10 +140,13 @@ def _engine(args, model):
         kw = {"prefetch": args.prefetch} if args.stage == 3 else {}
         if args.stage != 1:  # ZeRO-1 holds full gradients anyway and reduce-scatters once, at the step
             kw["sync_each_micro_batch"] = sync_each
-        return STAGES[args.stage](model, precision=args.dtype, lr=args.lr, **kw)
-    from .torch_impls import TorchStage
+        engine = STAGES[args.stage](model, precision=args.dtype, lr=args.lr, **kw)
+    else:
+        from .torch_impls import TorchStage
 
-    return TorchStage(model, args.stage, lr=args.lr, sync_each_micro_batch=sync_each)
+        engine = TorchStage(model, args.stage, lr=args.lr, sync_each_micro_batch=sync_each)
+    engine.clip_norm = args.clip
+    return engine
 
 
 def train_rank(args) -> dict:
@@ -166,6 +177,7 @@ def train_rank(args) -> dict:
     report = _rank_report(args, model, engine.state_tensors(), sent, times, n, rank, dev)
     report["final_loss"] = loss.item() / n
     report["calls_per_step"] = calls
+    report["grad_norm"] = engine.last_grad_norm if args.clip is not None else None  # before clipping
     report["wire_bytes_per_step"] = ledger.wire_bytes  # None where the OS cannot count (NCCL)
     # gradients held after each micro-batch's backward (zeronb's engines): what accumulation costs
     report["grad_bytes_after_micro_batch"] = getattr(engine, "grad_bytes_after_micro_batch", None)

@@ -93,16 +93,22 @@ class ShardAdam:
     for ZeRO). In float32/float64 Adam updates them in place; in bf16-mixed it updates fp32 masters
     and copies them back into the bf16 shards."""
 
-    def __init__(self, shards: list, precision: str, lr: float = 1e-3, **adam_kw):
+    def __init__(self, shards: list, precision: str, lr: float = 1e-3, sharded: bool = True, **adam_kw):
         self.shards = shards
+        self.sharded = sharded  # False: every rank holds (and updates) the whole model, as in DDP
+        self.last_grad_norm = None
         self.mixed = precision == "bf16-mixed"
         self.master = [s.detach().float().clone() for s in shards] if self.mixed else shards
         # foreach=False: the same per-tensor arithmetic as the single-process reference
         self.optimizer = torch.optim.Adam(self.master, lr=lr, foreach=False, **adam_kw)
 
-    def step(self, grads: list) -> None:
+    def step(self, grads: list, clip_norm: float | None = None) -> None:
+        """One Adam step with these (averaged) gradients; with `clip_norm`, after scaling them so
+        that the whole model's gradient has at most that 2-norm (clip_by_global_norm_)."""
         for master, grad in zip(self.master, grads):
             master.grad = grad.float() if self.mixed else grad
+        if clip_norm is not None:
+            self.last_grad_norm = clip_by_global_norm_([m.grad for m in self.master], clip_norm, self.sharded)
         self.optimizer.step()
         for master in self.master:
             master.grad = None
@@ -116,6 +122,25 @@ class ShardAdam:
         from ..memory import optimizer_tensors
 
         return optimizer_tensors(self.optimizer) + (self.master if self.mixed else [])
+
+
+def clip_by_global_norm_(grads: list, max_norm: float, sharded: bool) -> float:
+    """Scale `grads` in place, as torch.nn.utils.clip_grad_norm_ would on one process holding the
+    whole model: by max_norm / (norm + 1e-6), capped at 1, where norm is the 2-norm of the whole
+    model's gradient. Sharded, each rank holds a piece of it: each adds up the squares of its own
+    piece, and one all-reduce of that single number gives every rank the same total, so every rank
+    scales by the same factor. Returns the norm before clipping."""
+    acc = torch.promote_types(grads[0].dtype, torch.float32)  # bf16 squares are summed in fp32
+    squares = torch.zeros(1, dtype=acc, device=grads[0].device)
+    for g in grads:
+        squares += g.to(acc).pow(2).sum()
+    if sharded:
+        dist.all_reduce(squares)
+    norm = squares.sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(scale.to(g.dtype))
+    return norm.item()
 
 
 def average_(tensor: torch.Tensor) -> torch.Tensor:

@@ -27,13 +27,13 @@ class NaiveDDP(Engine):
     def __init__(self, model, precision="float32", lr=1e-3):
         super().__init__(model, precision, lr)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.adam = ShardAdam(self.params, precision, lr)
+        self.adam = ShardAdam(self.params, precision, lr, sharded=False)
 
     def step(self):
         for p in self.params:
             dist.all_reduce(p.grad)
             average_(p.grad)
-        self.adam.step([p.grad for p in self.params])
+        self.adam.step([p.grad for p in self.params], self.clip_norm)
         for p in self.params:
             p.grad = None
 
@@ -64,7 +64,7 @@ class DDP(Engine):
         self.works = []
         self._reset()
         # every rank updates the whole (replicated) model
-        self.adam = ShardAdam([b.data for b in self.buckets], precision, lr)
+        self.adam = ShardAdam([b.data for b in self.buckets], precision, lr, sharded=False)
 
     def _reset(self):
         for b in self.buckets:
@@ -98,7 +98,7 @@ class DDP(Engine):
                 b.synced.zero_()
             average_(b.grad)
         self.works = []
-        self.adam.step([b.grad for b in self.buckets])
+        self.adam.step([b.grad for b in self.buckets], self.clip_norm)
         for b in self.buckets:
             b.grad.zero_()
         self._reset()

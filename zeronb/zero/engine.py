@@ -18,6 +18,7 @@ class Engine:
 
     stage = None
     sync_each_micro_batch = True
+    clip_norm = None  # clip the gradient to this global 2-norm before each optimizer step
 
     def __init__(self, model: torch.nn.Module, precision: str = "float32", lr: float = 1e-3):
         self.model = model
@@ -59,6 +60,11 @@ class Engine:
 
     def end_micro_batch(self) -> None:
         """After a micro-batch's backward (a stage may fold what it communicated into its sums)."""
+
+    @property
+    def last_grad_norm(self):
+        """The whole model's gradient 2-norm in the last step, before clipping (with clip_norm)."""
+        return self.adam.last_grad_norm
 
     def sync_now(self) -> bool:
         """Whether the gradients of this backward are communicated now (else: kept until the last)."""

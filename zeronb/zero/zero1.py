@@ -42,7 +42,7 @@ class ZeRO1(Engine):
         reduce_scatter_single(grad_shard, self.flat.grad)
         average_(grad_shard)
         # 3. Adam on the owned shard
-        self.adam.step([grad_shard])
+        self.adam.step([grad_shard], self.clip_norm)
         # 4. all-gather the updated shards into the full parameters
         all_gather_single(self.flat.data, self.shard.clone())
         self.flat.grad.zero_()

@@ -75,7 +75,7 @@ class ZeRO2(Engine):
 
     def step(self):
         grads = [average_(b.grad_shard) for b in self.buckets]
-        self.adam.step(grads)
+        self.adam.step(grads, self.clip_norm)
         for b in self.buckets:
             all_gather_single(b.data, b.shard.clone())
             b.grad_shard.zero_()

@@ -167,7 +167,7 @@ class ZeRO3(Engine):
 
     def step(self):
         grads = [average_(u.grad_shard) for u in self.units]
-        self.adam.step(grads)   # updates the shards; nothing to gather: the next forward will
+        self.adam.step(grads, self.clip_norm)   # updates the shards; nothing to gather: the next forward will
         for u in self.units:
             u.grad_shard.zero_()
 
