@@ -240,3 +240,36 @@ def test_global_norm_clipping_over_shards_matches_clip_grad_norm_on_one_process(
     for out in res[1:]:  # every rank saw the same norm: one all-reduce of the partial sums
         for key, (_, norm) in out.items():
             assert abs(norm - res[0][key][1]) <= 1e-15 * norm, key
+
+
+def _reduce_dtypes():
+    from zeronb.train import parse_args, train_rank
+
+    out = {}
+    for stage in range(4):
+        for impl in ("zeronb", "torch"):
+            for rd in (None, "fp32", "bf16"):
+                argv = ["--model", "gpt", "--stage", str(stage), "--impl", impl, "--dtype", "float32", "--steps", "3"]
+                rep = train_rank(parse_args(argv + (["--reduce-dtype", rd] if rd else [])))
+                out[stage, impl, rd] = (rep["params"], rep["wire_bytes_per_step"])
+    return out
+
+
+def test_reducing_in_bf16_halves_the_bytes_and_costs_precision_against_float64():
+    with Cluster(2, backend="gloo", verbose=False) as c:
+        res = c.run(_reduce_dtypes, echo=False, timeout=600)
+    ref = train_single(_args(model="gpt", dtype="float64", stage=0, steps=3))["params"]
+
+    def error(params):  # against float64 training: what float32 training, and the reduction, cost
+        return max((params[k].double() - ref[k]).abs().max().item() for k in ref)
+
+    r0 = res[0]
+    for stage in range(4):
+        for impl in ("zeronb", "torch"):
+            default, fp32, bf16 = (r0[stage, impl, rd] for rd in (None, "fp32", "bf16"))
+            assert all(torch.equal(default[0][k], fp32[0][k]) for k in ref), (stage, impl)  # fp32 grads: no change
+            assert error(bf16[0]) > 2 * error(fp32[0]) and error(bf16[0]) < 1e-2, (stage, impl, error(bf16[0]))
+    # on the wire: DDP's all-reduce of bf16 gradients sends half the bytes
+    for out in res:
+        ratio = out[0, "zeronb", "bf16"][1] / out[0, "zeronb", "fp32"][1]
+        assert 0.45 < ratio < 0.56, ratio

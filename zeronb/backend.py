@@ -190,3 +190,12 @@ def fully_shard():
     except ImportError:
         from torch.distributed._composable.fsdp import fully_shard as fn
     return fn
+
+
+def mixed_precision_policy():
+    """FSDP2's `MixedPrecisionPolicy` (torch.distributed.fsdp from 2.6; the _composable path before)."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy as cls
+    except ImportError:
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy as cls
+    return cls

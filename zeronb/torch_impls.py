@@ -15,20 +15,28 @@ import torch
 import torch.distributed as dist
 
 from . import memory
-from .backend import device, fully_shard
+from .backend import device, fully_shard, mixed_precision_policy
 
 
-def _allreduce_hook(state, bucket):
-    """DDP's default communication, from Python so that the ledger counts it."""
+def _allreduce_hook(reduce_dtype, bucket):
+    """DDP's default communication, from Python so that the ledger counts it; in `reduce_dtype`
+    if one is given (the state DDP hands the hook)."""
     buf = bucket.buffer()
-    return dist.all_reduce(buf, async_op=True).get_future().then(lambda fut: fut.value()[0].div_(dist.get_world_size()))
+    send = buf if reduce_dtype in (None, buf.dtype) else buf.to(reduce_dtype)
+
+    def average(fut):
+        summed = fut.value()[0]
+        return (summed if summed is buf else summed.to(buf.dtype)).div_(dist.get_world_size())
+
+    return dist.all_reduce(send, async_op=True).get_future().then(average)
 
 
 class TorchStage:
     clip_norm = None  # torch.nn.utils.clip_grad_norm_ before each step (FSDP2's sharded grads too)
     last_grad_norm = None
 
-    def __init__(self, model, stage: int, lr: float = 1e-3, sync_each_micro_batch: bool = True):
+    def __init__(self, model, stage: int, lr: float = 1e-3, sync_each_micro_batch: bool = True,
+                 reduce_dtype: torch.dtype | None = None):
         self.stage, self.model = stage, model
         self.sync_each_micro_batch = sync_each_micro_batch
         dev = device()
@@ -37,7 +45,7 @@ class TorchStage:
 
             ids = [dev.index] if dev.type == "cuda" else None
             self.wrapped = DistributedDataParallel(model, device_ids=ids)
-            self.wrapped.register_comm_hook(None, _allreduce_hook)
+            self.wrapped.register_comm_hook(reduce_dtype, _allreduce_hook)
             if stage == 0:
                 self.optimizer = torch.optim.Adam(model.parameters(), lr=lr, foreach=False)
             else:
@@ -50,9 +58,10 @@ class TorchStage:
 
             mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
             shard = fully_shard()
+            kw = {"mp_policy": mixed_precision_policy()(reduce_dtype=reduce_dtype)} if reduce_dtype else {}
             for unit in model.units():
-                shard(unit, mesh=mesh, reshard_after_forward=(stage == 3))
-            shard(model, mesh=mesh, reshard_after_forward=(stage == 3))
+                shard(unit, mesh=mesh, reshard_after_forward=(stage == 3), **kw)
+            shard(model, mesh=mesh, reshard_after_forward=(stage == 3), **kw)
             self.wrapped = model
             self.optimizer = torch.optim.Adam(model.parameters(), lr=lr, foreach=False)
 

@@ -51,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--clip", type=float, default=None, metavar="NORM",
                    help="clip by the global gradient norm, as torch.nn.utils.clip_grad_norm_ would on one "
                         "process holding the whole model")
+    p.add_argument("--reduce-dtype", choices=["fp32", "bf16"], default=None,
+                   help="the dtype gradients are reduced in (default: their own); bf16 halves the bytes")
     p.add_argument("--accum-sync", choices=["every", "last"], default="every",
                    help="with --grad-accum: communicate gradients after every micro-batch, or only after the "
                         "last (DDP's no_sync; ZeRO-2/3 keep the full gradients until then)")
@@ -134,6 +136,7 @@ def max_diff(a: dict, b: dict) -> float:
 def _engine(args, model):
     """The stage to train with: zeronb's own, or PyTorch's counterpart."""
     sync_each = args.accum_sync == "every"
+    reduce_dtype = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16}[args.reduce_dtype]
     if args.impl == "zeronb":
         from .zero import STAGES
 
@@ -144,8 +147,9 @@ def _engine(args, model):
     else:
         from .torch_impls import TorchStage
 
-        engine = TorchStage(model, args.stage, lr=args.lr, sync_each_micro_batch=sync_each)
+        engine = TorchStage(model, args.stage, lr=args.lr, sync_each_micro_batch=sync_each, reduce_dtype=reduce_dtype)
     engine.clip_norm = args.clip
+    engine.reduce_dtype = reduce_dtype
     return engine
 
 
@@ -226,6 +230,7 @@ def run(args) -> dict:
         losses = [r["final_loss"] for r in ranks]
     return {"stage": args.stage, "world_size": world_size, "impl": args.impl, "model": args.model,
             "dtype": args.dtype, "grad_accum": args.grad_accum, "accum_sync": args.accum_sync,
+            "clip": args.clip, "reduce_dtype": args.reduce_dtype,
             "num_params": ranks[0]["num_params"], "final_loss": losses[0],
             "ranks": ranks, "params": params}
 

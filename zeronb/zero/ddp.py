@@ -78,21 +78,33 @@ class DDP(Engine):
         b = self.bucket_of[p]
         b.pending.discard(p)
         if not b.pending and self.sync_now():  # the bucket's gradients exist: send it while backward goes on
-            self.works.append((b, dist.all_reduce(b.grad, async_op=True)))
+            self.works.append((b, self._all_reduce(b)))
+
+    def _all_reduce(self, b):
+        """Start the bucket's all-reduce, in reduce_dtype if one is set (the sum is copied back
+        into the gradients when the work is waited for)."""
+        b.comm = b.grad if self.reduce_dtype in (None, b.grad.dtype) else b.grad.to(self.reduce_dtype)
+        return dist.all_reduce(b.comm, async_op=True)
+
+    def _wait(self, b, work):
+        work.wait()
+        if b.comm is not b.grad:
+            b.grad.copy_(b.comm)
+        b.comm = None
 
     def end_micro_batch(self):
         if self.last_micro_batch or not self.sync_each_micro_batch:
             return  # (no_sync: the gradients keep adding up in place until the last micro-batch)
         # synced after this micro-batch: move the sums aside, so the next backward starts from zero
         for b, work in self.works:
-            work.wait()
+            self._wait(b, work)
             b.synced = b.grad.clone() if b.synced is None else b.synced.add_(b.grad)
             b.grad.zero_()
         self.works = []
 
     def step(self):
         for b, work in self.works:
-            work.wait()
+            self._wait(b, work)
             if b.synced is not None:
                 b.grad.add_(b.synced)
                 b.synced.zero_()

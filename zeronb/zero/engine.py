@@ -19,6 +19,7 @@ class Engine:
     stage = None
     sync_each_micro_batch = True
     clip_norm = None  # clip the gradient to this global 2-norm before each optimizer step
+    reduce_dtype = None  # the dtype gradients are communicated in (None: their own)
 
     def __init__(self, model: torch.nn.Module, precision: str = "float32", lr: float = 1e-3):
         self.model = model

@@ -38,8 +38,11 @@ class ZeRO1(Engine):
 
     def step(self):
         # 2. reduce-scatter: rank r gets the summed gradient of chunk r
-        grad_shard = torch.empty_like(self.shard)
-        reduce_scatter_single(grad_shard, self.flat.grad)
+        # (in reduce_dtype if one is set: bf16 halves the bytes, and rounds the sums)
+        grads = self.flat.grad if self.reduce_dtype is None else self.flat.grad.to(self.reduce_dtype)
+        grad_shard = grads.new_empty(self.shard.numel())
+        reduce_scatter_single(grad_shard, grads)
+        grad_shard = grad_shard.to(self.shard.dtype)
         average_(grad_shard)
         # 3. Adam on the owned shard
         self.adam.step([grad_shard], self.clip_norm)

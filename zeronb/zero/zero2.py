@@ -60,9 +60,10 @@ class ZeRO2(Engine):
             return
         # the bucket is complete: reduce-scatter it now, add chunk r to the shard, free the full gradients
         full = b.flatten_grads()
-        reduced = full.new_empty(b.grad_shard.numel())  # in the gradients' dtype; the shard's may differ
-        reduce_scatter_single(reduced, full)
-        b.grad_shard.add_(reduced)
+        send = full if self.reduce_dtype is None else full.to(self.reduce_dtype)  # communicated in reduce_dtype
+        reduced = send.new_empty(b.grad_shard.numel())
+        reduce_scatter_single(reduced, send)
+        b.grad_shard.add_(reduced)  # added: with accumulation, every micro-batch's sum lands here
         for q in b.params:
             q.grad = None
         self._note_grad_memory(extra=full)

@@ -138,9 +138,10 @@ class ZeRO3(Engine):
         full = u.flat.flatten_grads()
         for q in u.flat.params:
             q.grad = None
-        reduced = torch.empty_like(u.grad_shard)
-        reduce_scatter_single(reduced, full)
-        u.grad_shard.add_(reduced)
+        send = full if self.reduce_dtype is None else full.to(self.reduce_dtype)  # communicated in reduce_dtype
+        reduced = send.new_empty(u.grad_shard.numel())
+        reduce_scatter_single(reduced, send)
+        u.grad_shard.add_(reduced)  # added: with accumulation, every micro-batch's sum lands here
         self.events.append(("reduce-scatter", u.index, t0, self._now()))
         del full
         u.free()
