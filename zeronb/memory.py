@@ -123,27 +123,50 @@ def cuda_memory(device) -> dict:
     return {"cuda_allocated": torch.cuda.memory_allocated(device), "cuda_peak": torch.cuda.max_memory_allocated(device)}
 
 
+def _storage_ptr(t):
+    """Where a tensor's storage lives (a DTensor's: its local piece's), or None if it has none."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:  # a storage that was freed or swapped out (FSDP's sharded parameters)
+        return None
+
+
+_counting: list = []  # the saved_activations contexts open now, outermost first
+
+
+def _pack(t):
+    storage = t.untyped_storage()
+    ptr = storage.data_ptr()
+    for counter in _counting:  # nested contexts each count what was saved while they were open
+        params = counter["exclude"]() if callable(counter["exclude"]) else counter["exclude"]
+        if storage.nbytes() and ptr not in counter["seen"] and ptr not in {_storage_ptr(p) for p in params}:
+            counter["seen"].add(ptr)
+            counter["result"]["bytes"] += storage.nbytes()
+            counter["result"]["tensors"] += 1
+    return t
+
+
 @contextmanager
 def saved_activations(exclude=()):
     """Count the bytes autograd saves for backward while the context is open: the activations.
 
     Tensors whose storage belongs to `exclude` (the parameters: autograd saves weights too, but
-    they are model states, not activations) are not counted. Yields a dict whose "bytes" is filled
-    in as the forward pass runs."""
-    exclude = list(exclude)
-    seen: set = set()
-    result = {"bytes": 0, "tensors": 0}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        # looked up at each save: ZeRO-3 moves parameters between buffers as it gathers them
-        skip = {p.untyped_storage().data_ptr() for p in exclude}
-        if ptr not in skip and ptr not in seen and storage.nbytes():
-            seen.add(ptr)
-            result["bytes"] += storage.nbytes()
-            result["tensors"] += 1
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield result
+    they are model states, not activations) are not counted. `exclude` may be a callable such as
+    `model.parameters`, read again at each save: ZeRO-3 and FSDP2 swap the tensors behind the
+    parameters as they gather them. Contexts nest (autograd keeps one pair of hooks; the outermost
+    context installs it and every open context counts). Yields a dict whose "bytes" is filled in
+    as the forward pass runs."""
+    counter = {"exclude": exclude if callable(exclude) else list(exclude), "seen": set(),
+               "result": {"bytes": 0, "tensors": 0}}
+    outermost = not _counting
+    _counting.append(counter)
+    try:
+        if outermost:
+            with torch.autograd.graph.saved_tensors_hooks(_pack, lambda t: t):
+                yield counter["result"]
+        else:
+            yield counter["result"]
+    finally:
+        _counting.remove(counter)

@@ -130,6 +130,22 @@ class Config:
     seq_len: int = 16
 
 
+def checkpoint_activations(model: nn.Module) -> nn.Module:
+    """Activation checkpointing, unit by unit: each unit saves only its input in forward, and
+    recomputes what it needs from it in backward (torch.utils.checkpoint, non-reentrant). Less
+    activation memory, one more forward's worth of compute. The module's own hooks (ZeRO-3's,
+    FSDP2's) still fire once per forward and backward: the recompute runs inside the unit's
+    backward, when its parameters are already gathered. (zeronb.memory.saved_activations then
+    counts what is saved outside the units; the input each unit keeps to recompute from is held
+    by the checkpoint itself, out of its sight.)"""
+    from torch.utils.checkpoint import checkpoint
+
+    for unit in model.units():
+        forward = unit.forward
+        unit.forward = lambda *args, _forward=forward, **kw: checkpoint(_forward, *args, use_reentrant=False, **kw)
+    return model
+
+
 def make_model(cfg: Config = Config(), dtype: torch.dtype = torch.float32, device="cpu") -> nn.Module:
     """The model with the same initial weights on every rank (seeded by cfg.seed)."""
     with torch.random.fork_rng(devices=[]):

@@ -79,7 +79,9 @@ class TorchStage:
             else:
                 self.model.set_requires_gradient_sync(sync)
             with context:
-                loss = self.model.loss(self.wrapped(xi), yi) / micro_batches
+                with memory.saved_activations(exclude=self.model.parameters) as saved:  # forward only
+                    loss = self.model.loss(self.wrapped(xi), yi) / micro_batches
+                self.activation_bytes = saved["bytes"]
                 loss.backward()
             total += loss.item()
         if self.clip_norm is not None:

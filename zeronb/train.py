@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from . import memory
 from .ledger import CommLedger
-from .models import Config, global_batch, local_batch, make_model, num_params
+from .models import Config, checkpoint_activations, global_batch, local_batch, make_model, num_params
 from .zero.common import model_dtype
 
 
@@ -53,6 +53,8 @@ def parse_args(argv=None):
                         "process holding the whole model")
     p.add_argument("--reduce-dtype", choices=["fp32", "bf16"], default=None,
                    help="the dtype gradients are reduced in (default: their own); bf16 halves the bytes")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each unit's activations in backward instead of keeping them")
     p.add_argument("--accum-sync", choices=["every", "last"], default="every",
                    help="with --grad-accum: communicate gradients after every micro-batch, or only after the "
                         "last (DDP's no_sync; ZeRO-2/3 keep the full gradients until then)")
@@ -86,6 +88,8 @@ def train_single(args, device=None) -> dict:
     dev = torch.device(device) if device is not None else rank_device(choose_backend(1)[0], 0)
     cfg, dtype = _config(args), model_dtype(args.dtype)
     model = make_model(cfg, dtype, dev)
+    if args.activation_checkpointing:
+        checkpoint_activations(model)
     params = list(model.parameters())
     mixed = args.dtype == "bf16-mixed"
     master = [p.detach().float().clone() for p in params] if mixed else params
@@ -95,7 +99,8 @@ def train_single(args, device=None) -> dict:
     for step in range(args.steps):
         t0 = time.perf_counter()
         x, y = global_batch(cfg, step, dtype, dev)
-        loss = model.loss(model(x), y)
+        with memory.saved_activations(exclude=params) as saved:  # forward only
+            loss = model.loss(model(x), y)
         for p in params:  # zeroed in place, as DDP zeroes its buckets: the buffers stay
             if p.grad is not None:
                 p.grad.zero_()
@@ -119,6 +124,7 @@ def train_single(args, device=None) -> dict:
              "optimizer": memory.optimizer_tensors(opt) + (master if mixed else [])}
     rank_report = _rank_report(args, model, state, {}, times, world_size=1, rank=0, device=dev)
     rank_report["grad_norm"] = grad_norm if args.clip is not None else None
+    rank_report["activation_bytes"] = saved["bytes"]
     return {"losses": losses, "ranks": [rank_report],
             "params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()}}
 
@@ -163,6 +169,8 @@ def train_rank(args) -> dict:
     # bytes on the wire, as the OS counts them, where gloo carries the traffic over TCP
     wire = sys.platform.startswith("linux") and backend_for(dev) == "gloo"
     model = make_model(cfg, dtype, dev)
+    if args.activation_checkpointing:
+        checkpoint_activations(model)
     engine = _engine(args, model)
     memory.reset_cuda_peak(dev)  # the peak this run reaches, not an earlier call's on this rank
     losses, times = [], []
@@ -182,6 +190,7 @@ def train_rank(args) -> dict:
     report["final_loss"] = loss.item() / n
     report["calls_per_step"] = calls
     report["grad_norm"] = engine.last_grad_norm if args.clip is not None else None  # before clipping
+    report["activation_bytes"] = engine.activation_bytes  # saved in the last micro-batch's forward
     report["wire_bytes_per_step"] = ledger.wire_bytes  # None where the OS cannot count (NCCL)
     # gradients held after each micro-batch's backward (zeronb's engines): what accumulation costs
     report["grad_bytes_after_micro_batch"] = getattr(engine, "grad_bytes_after_micro_batch", None)
@@ -231,6 +240,7 @@ def run(args) -> dict:
     return {"stage": args.stage, "world_size": world_size, "impl": args.impl, "model": args.model,
             "dtype": args.dtype, "grad_accum": args.grad_accum, "accum_sync": args.accum_sync,
             "clip": args.clip, "reduce_dtype": args.reduce_dtype,
+            "activation_checkpointing": args.activation_checkpointing,
             "num_params": ranks[0]["num_params"], "final_loss": losses[0],
             "ranks": ranks, "params": params}
 

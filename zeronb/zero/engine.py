@@ -42,13 +42,15 @@ class Engine:
         if micro_batches < 1 or len(x) % micro_batches:
             raise ValueError(f"this rank's batch of {len(x)} rows does not split into {micro_batches} equal "
                              "micro-batches; choose a number of micro-batches that divides it")
-        from ..memory import tensor_bytes
+        from ..memory import saved_activations, tensor_bytes
 
         total = 0.0
         self.grad_bytes_after_micro_batch = []  # what accumulation costs in memory: gradients held
         for i, (xi, yi) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
             self.begin_micro_batch(i, micro_batches)
-            loss = self.loss(xi, yi) / micro_batches
+            with saved_activations(exclude=self.model.parameters) as saved:  # forward only
+                loss = self.loss(xi, yi) / micro_batches
+            self.activation_bytes = saved["bytes"]  # what autograd kept for this micro-batch's backward
             loss.backward()
             self.end_micro_batch()
             self.grad_bytes_after_micro_batch.append(tensor_bytes(self.state_tensors()["grads"]))
