@@ -8,11 +8,19 @@ whole global batch - the reference every stage must match. `--impl torch` runs P
 counterpart instead of zeronb's: DistributedDataParallel (0), ZeroRedundancyOptimizer (1), FSDP2
 `fully_shard` with reshard_after_forward False (2) and True (3).
 
+Training in practice, for every stage and both impls (each also for the single-process reference):
+`--grad-accum K` (K micro-batches per rank and step; `--accum-sync every|last` says when gradients
+are communicated), `--clip NORM` (global-norm clipping over shards), `--reduce-dtype fp32|bf16`
+(the dtype gradients are reduced in), `--activation-checkpointing` (recompute each unit's
+activations in backward).
+
 The report (--report) holds, per rank, the bytes of parameters, gradients and optimizer state it
 holds between steps, the bytes zeronb.memory's formula expects, the bytes it sent in the last step
 per collective (logical: what the algorithm sends) and on the wire (what the OS counted on gloo's
-TCP connections; None under NCCL), the device, CUDA's allocated and peak bytes on a GPU, and the
-median step time; plus the final loss (of the global batch).
+TCP connections; None under NCCL), the device, CUDA's allocated and peak bytes on a GPU, the
+activations saved in the last forward, the gradient bytes held after each micro-batch, the gradient
+norm (with --clip), and the median step time; plus the final loss (of the global batch) and the
+settings above.
 """
 from __future__ import annotations
 
