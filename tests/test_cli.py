@@ -1,4 +1,5 @@
 """The command-line entry points run and say what they should."""
+import json
 import re
 import subprocess
 import sys
@@ -28,3 +29,16 @@ def test_bench_dispatch_prints_its_table():
         assert 0 < float(median) <= float(p90) and float(start) > 0 and float(restart) > 0
         assert float(spawn) > 0 and float(torchrun) > 0 and float(per_call) > 1
     assert re.search(r"pool start ~\s+-?\d+ ms \+\s+-?\d+ ms per rank", p.stdout), p.stdout
+
+
+def test_every_path_of_the_train_cli_reports_the_same_fields(tmp_path):
+    reports = {}
+    for name, argv in {"one process": ["--nproc", "1", "--stage", "0"],
+                       "stage 2 pool": ["--nproc", "2", "--stage", "2", "--grad-accum", "2", "--clip", "1"]}.items():
+        p = _run("-m", "zeronb.train", *argv, "--steps", "2", "--report", str(tmp_path / "r.json"))
+        assert p.returncode == 0, p.stdout + p.stderr
+        reports[name] = json.load(open(tmp_path / "r.json"))
+    one, pool = reports["one process"], reports["stage 2 pool"]
+    assert set(one) == set(pool) and set(one["ranks"][0]) == set(pool["ranks"][0])
+    assert one["ranks"][0]["bytes"]["grads"] > 0  # the reference keeps its gradients, as DDP does
+    assert pool["grad_accum"] == 2 and pool["clip"] == 1.0 and pool["ranks"][0]["grad_norm"] > 0

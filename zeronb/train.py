@@ -133,6 +133,10 @@ def train_single(args, device=None) -> dict:
     rank_report = _rank_report(args, model, state, {}, times, world_size=1, rank=0, device=dev)
     rank_report["grad_norm"] = grad_norm if args.clip is not None else None
     rank_report["activation_bytes"] = saved["bytes"]
+    # the fields a rank of a pool reports, for one process: nothing communicated, no micro-batches
+    # (the reference takes the whole batch at once; --grad-accum does not change its result)
+    rank_report.update(calls_per_step={}, wire_bytes_per_step=None, grad_bytes_after_micro_batch=None,
+                       final_loss=losses[-1], events=[], memory_timeline=[])
     return {"losses": losses, "ranks": [rank_report],
             "params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()}}
 
