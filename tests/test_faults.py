@@ -282,9 +282,12 @@ def test_control_channel_is_closed_once_the_ranks_are_in():
 
 
 def _mixed(i):
+    """One of four kinds of communication, on the rank's device (test_gpu.py soaks NCCL with it)."""
+    from zeronb import device
+    from zeronb.backend import all_gather_single
     from zeronb.collectives import ring_all_reduce
 
-    t = torch.full((256,), float(i))
+    t = torch.full((256,), float(i), device=device())
     kind = i % 4
     if kind == 0:
         dist.all_reduce(t)
@@ -293,9 +296,7 @@ def _mixed(i):
     elif kind == 2:
         dist.broadcast(t, src=i % dist.get_world_size())
     else:
-        out = torch.empty(256 * dist.get_world_size())
-        from zeronb.backend import all_gather_single
-        all_gather_single(out, t)
+        all_gather_single(t.new_empty(256 * dist.get_world_size()), t)
     return t.sum().item()
 
 

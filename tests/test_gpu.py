@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import zeronb
 from conftest import listening_addresses
+from test_faults import _mixed
 from zeronb import Cluster, RankError
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -146,31 +147,13 @@ def test_a_failure_on_an_nccl_pool_and_the_restart(pool):
     assert pool.pids != pids
 
 
-def _mixed_cuda(i):
-    from zeronb import device
-    from zeronb.backend import all_gather_single
-    from zeronb.collectives import ring_all_reduce
-
-    t = torch.full((256,), float(i), device=device())
-    kind = i % 4
-    if kind == 0:
-        dist.all_reduce(t)
-    elif kind == 1:
-        ring_all_reduce(t)
-    elif kind == 2:
-        dist.broadcast(t, src=i % dist.get_world_size())
-    else:
-        all_gather_single(t.new_empty(256 * dist.get_world_size()), t)
-    return t.sum().item()
-
-
 def test_soak_1000_dispatches_with_cuda_memory_stays_flat(pool):
     procs = [psutil.Process(p) for p in pool.pids]
     for i in range(200):  # warm-up: CUDA loads kernels lazily, at their first use
-        pool.run(_mixed_cuda, i, echo=False)
+        pool.run(_mixed, i, echo=False)
     rss0 = [p.memory_info().rss for p in procs]
     for i in range(1000):
-        res = pool.run(_mixed_cuda, i, echo=False)
+        res = pool.run(_mixed, i, echo=False)
         assert len(set(res)) == 1
     rss1 = [p.memory_info().rss for p in procs]
     print(f"soak on {N} NCCL rank(s): rank RSS {[r >> 20 for r in rss0]} -> {[r >> 20 for r in rss1]} MiB")
