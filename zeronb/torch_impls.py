@@ -34,7 +34,7 @@ def _allreduce_hook(reduce_dtype, bucket):
 class TorchStage:
     clip_norm = None  # torch.nn.utils.clip_grad_norm_ before each step (FSDP2's sharded grads too)
     last_grad_norm = None
-    measure_activations = False
+    measure_memory = False
     activation_bytes = None
 
     def __init__(self, model, stage: int, lr: float = 1e-3, sync_each_micro_batch: bool = True,
@@ -81,7 +81,7 @@ class TorchStage:
             else:
                 self.model.set_requires_gradient_sync(sync)
             with context:
-                measuring = memory.saved_activations(exclude=self.model.parameters) if self.measure_activations \
+                measuring = memory.saved_activations(exclude=self.model.parameters) if self.measure_memory \
                     else contextlib.nullcontext({"bytes": None})
                 with measuring as saved:  # forward only
                     loss = self.model.loss(self.wrapped(xi), yi) / micro_batches

@@ -190,7 +190,7 @@ def train_rank(args) -> dict:
     losses, times = [], []
     for step in range(args.steps):
         x, y = local_batch(cfg, step, rank, n, dtype, dev)
-        engine.measure_activations = step == args.steps - 1  # the last step's, for the report (it costs time)
+        engine.measure_memory = step == args.steps - 1  # the last step's, for the report (it costs time)
         dist.barrier()
         t0 = time.perf_counter()
         with CommLedger(wire=wire) as ledger:

@@ -20,7 +20,7 @@ class Engine:
     sync_each_micro_batch = True
     clip_norm = None  # clip the gradient to this global 2-norm before each optimizer step
     reduce_dtype = None  # the dtype gradients are communicated in (None: their own)
-    measure_activations = False  # count what forward saves for backward (a Python hook per saved tensor)
+    measure_memory = False  # count activations and gradients held (costs a Python hook per saved tensor)
     activation_bytes = None
 
     def __init__(self, model: torch.nn.Module, precision: str = "float32", lr: float = 1e-3):
@@ -50,7 +50,7 @@ class Engine:
         self.grad_bytes_after_micro_batch = []  # what accumulation costs in memory: gradients held
         for i, (xi, yi) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
             self.begin_micro_batch(i, micro_batches)
-            if self.measure_activations:
+            if self.measure_memory:
                 with saved_activations(exclude=self.model.parameters) as saved:  # forward only
                     loss = self.loss(xi, yi) / micro_batches
                 self.activation_bytes = saved["bytes"]  # what autograd kept for this micro-batch's backward
@@ -58,7 +58,8 @@ class Engine:
                 loss = self.loss(xi, yi) / micro_batches
             loss.backward()
             self.end_micro_batch()
-            self.grad_bytes_after_micro_batch.append(tensor_bytes(self.state_tensors()["grads"]))
+            if self.measure_memory:
+                self.grad_bytes_after_micro_batch.append(tensor_bytes(self.state_tensors()["grads"]))
             total += loss.item()
         self.step()
         return total
