@@ -199,3 +199,13 @@ def mixed_precision_policy():
     except ImportError:
         from torch.distributed._composable.fsdp import MixedPrecisionPolicy as cls
     return cls
+
+
+def sharded_1d(local: torch.Tensor, numel: int, mesh) -> torch.Tensor:
+    """A DTensor of `numel` elements, Shard(0) over a 1-D `mesh`, of which this rank holds `local`
+    (torch.chunk's piece: zeronb.shards.bounds). torch.distributed.tensor from 2.5; _tensor before."""
+    try:
+        from torch.distributed.tensor import DTensor, Shard
+    except ImportError:
+        from torch.distributed._tensor import DTensor, Shard
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(numel,), stride=(1,))

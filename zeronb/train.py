@@ -12,7 +12,9 @@ Training in practice, for every stage and both impls (each also for the single-p
 `--grad-accum K` (K micro-batches per rank and step; `--accum-sync every|last` says when gradients
 are communicated), `--clip NORM` (global-norm clipping over shards), `--reduce-dtype fp32|bf16`
 (the dtype gradients are reduced in), `--activation-checkpointing` (recompute each unit's
-activations in backward).
+activations in backward), `--checkpoint DIR` (a sharded checkpoint at the end, with
+torch.distributed.checkpoint) and `--resume DIR` (load it on any number of ranks and train on to
+`--steps` in total); `python -m zeronb.checkpoint DIR OUT` exports one file of full tensors.
 
 The report (--report) holds, per rank, the bytes of parameters, gradients and optimizer state it
 holds between steps, the bytes zeronb.memory's formula expects, the bytes it sent in the last step
@@ -67,6 +69,11 @@ def parse_args(argv=None):
     p.add_argument("--accum-sync", choices=["every", "last"], default="every",
                    help="with --grad-accum: communicate gradients after every micro-batch, or only after the "
                         "last (DDP's no_sync; ZeRO-2/3 keep the full gradients until then)")
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="save a sharded checkpoint (torch.distributed.checkpoint) here at the end")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="load a checkpoint saved by --checkpoint (on any number of ranks) and train on until "
+                        "--steps steps in total have been taken")
     p.add_argument("--report", default=None, help="write the JSON report here")
     p.add_argument("--save-params", default=None, help="rank 0 saves {name: full tensor} here (torch.save)")
     p.add_argument("--timeout", type=float, default=600, help="seconds for the whole run on a pool")
@@ -79,7 +86,24 @@ def parse_args(argv=None):
         p.error(f"--clip must be a positive norm, not {args.clip}")
     if args.grad_accum < 1 or args.global_batch % args.grad_accum:
         p.error(f"--grad-accum must be a positive divisor of --global-batch ({args.global_batch}), not {args.grad_accum}")
+    if args.resume is not None:
+        from . import checkpoint
+
+        try:
+            info = checkpoint.read_info(args.resume)
+            checkpoint.check_compatible(info, _settings(args))
+        except (FileNotFoundError, ValueError) as e:
+            p.error(f"--resume: {e}")
+        if info["steps_done"] >= args.steps:
+            p.error(f"--resume: the checkpoint has taken {info['steps_done']} steps already; --steps counts the "
+                    f"total, so ask for more than {info['steps_done']}")
     return args
+
+
+def _settings(args) -> dict:
+    """What a checkpoint records of the run (a resume must share its structure: checkpoint.STRUCTURE)."""
+    return {"stage": args.stage, "impl": args.impl, "model": args.model, "dtype": args.dtype,
+            "seed": args.seed, "global_batch": args.global_batch, "lr": args.lr}
 
 
 def _config(args) -> Config:
@@ -137,7 +161,7 @@ def train_single(args, device=None) -> dict:
     rank_report["activation_bytes"] = saved["bytes"]
     # the fields a rank of a pool reports, for one process: nothing communicated, no micro-batches
     # (the reference takes the whole batch at once; --grad-accum does not change its result)
-    rank_report.update(calls_per_step={}, wire_bytes_per_step=None, grad_bytes_after_micro_batch=None,
+    rank_report.update(calls_per_step={}, wire_bytes_per_step=None, grad_bytes_after_micro_batch=None, steps_taken=args.steps,
                        final_loss=losses[-1], events=[], memory_timeline=[])
     return {"losses": losses, "ranks": [rank_report],
             "params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()}}
@@ -186,9 +210,14 @@ def train_rank(args) -> dict:
     if args.activation_checkpointing:
         checkpoint_activations(model)
     engine = _engine(args, model)
+    first = 0
+    if args.resume:  # the saved shards, resharded by DCP onto this many ranks
+        from . import checkpoint
+
+        first = checkpoint.load(engine, args.resume)["steps_done"]
     memory.reset_cuda_peak(dev)  # the peak this run reaches, not an earlier call's on this rank
     losses, times = [], []
-    for step in range(args.steps):
+    for step in range(first, args.steps):
         x, y = local_batch(cfg, step, rank, n, dtype, dev)
         engine.measure_memory = step == args.steps - 1  # the last step's, for the report (it costs time)
         dist.barrier()
@@ -199,6 +228,10 @@ def train_rank(args) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     sent, calls = dict(ledger.by_op), dict(ledger.calls)  # the last step's traffic
+    if args.checkpoint:
+        from . import checkpoint
+
+        checkpoint.save(engine, args.checkpoint, {**_settings(args), "steps_done": args.steps})
     loss = torch.tensor([losses[-1]], dtype=torch.float64, device=dev)
     dist.all_reduce(loss)  # equal local batches: the mean of local losses is the global batch's loss
     report = _rank_report(args, model, engine.state_tensors(), sent, times, n, rank, dev)
@@ -209,6 +242,7 @@ def train_rank(args) -> dict:
     report["wire_bytes_per_step"] = ledger.wire_bytes  # None where the OS cannot count (NCCL)
     # gradients held after each micro-batch's backward (zeronb's engines): what accumulation costs
     report["grad_bytes_after_micro_batch"] = getattr(engine, "grad_bytes_after_micro_batch", None)
+    report["steps_taken"] = args.steps - first  # (fewer than --steps after --resume)
     report["memory_timeline"] = getattr(engine, "memory", [])
     report["events"] = [list(e) for e in getattr(engine, "events", [])]
     full = engine.full_parameters()
@@ -239,7 +273,7 @@ def run(args) -> dict:
         dist.all_gather_object(gathered, {k: v for k, v in out.items() if k != "params"})
         ranks, params, world_size = gathered, out["params"], dist.get_world_size()
         losses = [r["final_loss"] for r in ranks]
-    elif args.nproc == 1 and args.stage == 0 and args.impl == "zeronb":
+    elif args.nproc == 1 and args.stage == 0 and args.impl == "zeronb" and not (args.checkpoint or args.resume):
         single = train_single(args)
         ranks, params, world_size = single["ranks"], single["params"], 1
         losses = [single["losses"][-1]]
@@ -256,6 +290,7 @@ def run(args) -> dict:
             "dtype": args.dtype, "grad_accum": args.grad_accum, "accum_sync": args.accum_sync,
             "clip": args.clip, "reduce_dtype": args.reduce_dtype,
             "activation_checkpointing": args.activation_checkpointing,
+            "checkpoint": args.checkpoint, "resume": args.resume,
             "num_params": ranks[0]["num_params"], "final_loss": losses[0],
             "ranks": ranks, "params": params}
 

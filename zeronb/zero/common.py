@@ -117,11 +117,27 @@ class ShardAdam:
                 for shard, master in zip(self.shards, self.master):
                     shard.copy_(master)
 
+    def init_state(self) -> None:
+        """Create Adam's state as its first step would: what a checkpoint is loaded into."""
+        init_adam_state(self.optimizer)
+
     def state_tensors(self) -> list:
         """What the optimizer holds: Adam's states, and the master copy in mixed precision."""
         from ..memory import optimizer_tensors
 
         return optimizer_tensors(self.optimizer) + (self.master if self.mixed else [])
+
+
+def init_adam_state(optimizer: torch.optim.Adam) -> None:
+    """Give every parameter of `optimizer` without state the state Adam's first step creates
+    (step 0, zero moments), so that a checkpoint can be loaded into it before any step."""
+    step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32  # as Adam does
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if not state:
+                state.update(step=torch.tensor(0.0, dtype=step_dtype), exp_avg=torch.zeros_like(p),
+                             exp_avg_sq=torch.zeros_like(p))
 
 
 def clip_by_global_norm_(grads: list, max_norm: float, sharded: bool) -> float:

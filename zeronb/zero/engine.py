@@ -82,6 +82,15 @@ class Engine:
     def step(self) -> None:
         raise NotImplementedError
 
+    def flat_buckets(self) -> list:
+        """The flat buckets Adam works on, in the order of `self.adam.shards` (for a stage that shards,
+        shard i is this rank's chunk of bucket i; for DDP it is the whole bucket): what a sharded
+        checkpoint (zeronb.checkpoint) saves and loads."""
+        raise NotImplementedError(f"{type(self).__name__} does not keep its state in flat buckets")
+
+    def after_load(self) -> None:
+        """After a checkpoint was loaded into the shards: make the rest of the state agree with them."""
+
     def state_tensors(self) -> dict:
         raise NotImplementedError
 

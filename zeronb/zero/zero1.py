@@ -50,6 +50,12 @@ class ZeRO1(Engine):
         all_gather_single(self.flat.data, self.shard.clone())
         self.flat.grad.zero_()
 
+    def flat_buckets(self):
+        return [self.flat]
+
+    def after_load(self):
+        all_gather_single(self.flat.data, self.shard.clone())  # every rank's loaded shard, everywhere
+
     def state_tensors(self):
         return {"params": [self.flat.data], "grads": [self.flat.grad],
                 "optimizer": self.adam.state_tensors()}

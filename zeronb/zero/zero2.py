@@ -82,6 +82,13 @@ class ZeRO2(Engine):
             b.grad_shard.zero_()
         self._reset()
 
+    def flat_buckets(self):
+        return self.buckets
+
+    def after_load(self):
+        for b in self.buckets:
+            all_gather_single(b.data, b.shard.clone())  # every rank's loaded shard, everywhere
+
     def state_tensors(self):
         # the shards, and any full gradient still waiting for its bucket (or for the last micro-batch)
         return {"params": [b.data for b in self.buckets],

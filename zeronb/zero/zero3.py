@@ -172,6 +172,9 @@ class ZeRO3(Engine):
         for u in self.units:
             u.grad_shard.zero_()
 
+    def flat_buckets(self):
+        return [u.flat for u in self.units]  # (the next forward gathers what was loaded into the shards)
+
     def state_tensors(self):
         full = [u.flat.data for u in self.units]  # storage of 0 bytes unless gathered
         return {"params": [u.shard for u in self.units] + full,

@@ -1,0 +1,197 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP): every rank writes only what it
+holds, and a run resumes on any number of ranks.
+
+zeronb's stages keep parameters and Adam's state in flat buckets, rank r holding chunk r of each
+(zeronb.shards: torch.chunk's rule). Without its padding, that chunk is exactly what a DTensor with
+placement Shard(0) over a 1-D mesh of the ranks holds. So a checkpoint presents each bucket's
+parameters, Adam's two moments (and, in bf16-mixed, the fp32 master copy) as 1-D DTensors of the
+bucket's real length. DCP writes each rank's piece with its offset; on load, each rank reads the
+pieces that overlap the chunk it holds *now*, whatever the number of ranks that wrote them. What
+every rank holds whole (DDP's buckets, Adam's step count) is saved as plain tensors, written once.
+
+PyTorch's counterparts go through torch.distributed.checkpoint.state_dict (FSDP2's parameters are
+DTensors already). ZeroRedundancyOptimizer keeps each parameter's Adam state on the one rank that
+owns the parameter; that rank saves it under the parameter's name, and on resume each rank loads
+the states of the parameters it owns then.
+
+Beside DCP's files, `zeronb.json` records the run (stage, impl, model, precision, steps taken,
+and which parameters each bucket holds), so that a resume can check that it continues the same
+run, and `export` can turn the checkpoint into one file of full tensors in one process, no ranks.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from . import shards
+from .backend import sharded_1d
+
+INFO = "zeronb.json"
+STRUCTURE = ("stage", "impl", "model", "dtype")  # what a resume must share with the saved run
+
+
+# --- what each kind of run puts in the checkpoint ----------------------------------------------------
+
+def _engine_state(engine) -> dict:
+    """{key: tensor} over zeronb's flat buckets; the tensors are the engine's own (views of its
+    shards and Adam's state), so that dcp.load writes straight into them."""
+    from .backend import device
+    from torch.distributed.device_mesh import init_device_mesh
+
+    adam, n, rank = engine.adam, dist.get_world_size(), dist.get_rank()
+    adam.init_state()  # (a no-op after the first step; before it, what loading writes into)
+    mesh = init_device_mesh(device().type, (n,)) if adam.sharded else None
+    state = {}
+    for bucket, shard, master in zip(engine.flat_buckets(), adam.shards, adam.master):
+        adam_state = adam.optimizer.state[master]
+        kinds = {"params": shard, "exp_avg": adam_state["exp_avg"], "exp_avg_sq": adam_state["exp_avg_sq"]}
+        if adam.mixed:
+            kinds["master"] = master
+        for kind, t in kinds.items():
+            if adam.sharded:  # this rank's chunk, less its padding: torch.chunk's piece of the bucket
+                state[f"{bucket.name}.{kind}"] = sharded_1d(t[:shards.shard_numel(bucket.numel, n, rank)],
+                                                            bucket.numel, mesh)
+            else:  # the whole bucket, the same on every rank
+                state[f"{bucket.name}.{kind}"] = t[:bucket.numel]
+        state["adam.step"] = adam_state["step"]  # every bucket's: the same count
+    return state
+
+
+def _engine_layout(engine) -> dict:
+    return {b.name: [[engine.names[p], list(p.shape)] for p in b.params] for b in engine.flat_buckets()}
+
+
+def _torch_state(stage) -> dict:
+    """PyTorch's counterparts: the model's and optimizer's state dicts, as DCP expects them."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    if stage.stage != 1:
+        return {"model": get_model_state_dict(stage.model),
+                "optim": get_optimizer_state_dict(stage.model, stage.optimizer)}
+    # ZeroRedundancyOptimizer: its local Adam holds the state of the parameters this rank owns
+    from .zero.common import init_adam_state
+
+    local = stage.optimizer.optim
+    init_adam_state(local)
+    names = {p: n for n, p in stage.model.named_parameters()}
+    owned = {f"optim.{names[p]}.{k}": v for group in local.param_groups for p in group["params"]
+             for k, v in local.state[p].items()}
+    return {"model": get_model_state_dict(stage.model), **owned}
+
+
+def _state(engine) -> dict:
+    return _torch_state(engine) if hasattr(engine, "wrapped") else _engine_state(engine)
+
+
+def _after_load(engine, state) -> None:
+    if not hasattr(engine, "wrapped"):
+        for master in engine.adam.master:  # one count for all, as saved
+            engine.adam.optimizer.state[master]["step"].copy_(state["adam.step"])
+        engine.after_load()
+        return
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    set_model_state_dict(engine.model, state["model"])
+    if engine.stage != 1:
+        set_optimizer_state_dict(engine.model, engine.optimizer, state["optim"])
+    # (ZeroRedundancyOptimizer's states were loaded in place, into its local Adam)
+
+
+# --- save, load, read, export ---------------------------------------------------------------------------
+
+def save(engine, directory: str, info: dict) -> None:
+    """Save `engine`'s parameters and optimizer state to `directory`, each rank its own part;
+    rank 0 adds `info` (the run's settings, the steps taken) and the layout as zeronb.json."""
+    dcp.save(_state(engine), checkpoint_id=directory)
+    if dist.get_rank() == 0:
+        layout = None if hasattr(engine, "wrapped") else _engine_layout(engine)
+        with open(os.path.join(directory, INFO), "w") as f:
+            json.dump({**info, "world_size": dist.get_world_size(), "buckets": layout}, f, indent=1)
+    dist.barrier()  # zeronb.json is there before any rank goes on (and reads it, say)
+
+
+def read_info(directory: str) -> dict:
+    """The saved run's settings (zeronb.json), with a clear error where there is no checkpoint."""
+    path = os.path.join(directory, INFO)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{directory!r} holds no zeronb checkpoint (no {INFO}); give the directory "
+                                "that a run with --checkpoint wrote")
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_compatible(info: dict, settings: dict) -> None:
+    """Raise ValueError unless `settings` continue the run `info` describes."""
+    wrong = [f"{k} {settings[k]!r} (saved: {info[k]!r})" for k in STRUCTURE if settings[k] != info[k]]
+    if wrong:
+        raise ValueError("this checkpoint is of another kind of run: " + ", ".join(wrong) + "; resume with the "
+                         "saved settings (the number of ranks may differ)")
+
+
+def load(engine, directory: str) -> dict:
+    """Load a checkpoint written by `save` into `engine`, on any number of ranks; returns its info."""
+    info = read_info(directory)
+    state = _state(engine)
+    dcp.load(state, checkpoint_id=directory)
+    _after_load(engine, state)
+    return info
+
+
+def export(directory: str, path: str | None = None) -> dict:
+    """The whole model as {name: full tensor}, read from a sharded checkpoint in this one process
+    (no ranks, no process group): what inference needs. With `path`, also torch.save it there."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    info = read_info(directory)
+    sizes = FileSystemReader(directory).read_metadata().state_dict_metadata
+    if info["buckets"] is None:  # PyTorch's own: the model's state dict, by name
+        wanted = {k: torch.empty(sizes[k].size, dtype=sizes[k].properties.dtype)
+                  for k in sizes if k.startswith("model.")}
+    else:  # zeronb's: each bucket's flat parameters, to be cut into the parameters it holds
+        wanted = {f"{b}.params": torch.empty(sizes[f"{b}.params"].size, dtype=sizes[f"{b}.params"].properties.dtype)
+                  for b in info["buckets"]}
+    with warnings.catch_warnings():  # ("no process group: loading in one process" - as meant)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(wanted, checkpoint_id=directory, no_dist=True)
+    if info["buckets"] is None:
+        full = {k.removeprefix("model."): v for k, v in wanted.items()}
+    else:
+        full = {}
+        for bucket, params in info["buckets"].items():
+            flat, offset = wanted[f"{bucket}.params"], 0
+            for name, shape in params:
+                numel = int(torch.Size(shape).numel())
+                full[name] = flat[offset:offset + numel].view(shape).clone()
+                offset += numel
+    if path is not None:
+        torch.save(full, path)
+    return full
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m zeronb.checkpoint",
+                                description="Export a sharded checkpoint (python -m zeronb.train --checkpoint DIR) "
+                                            "as one torch.save file of {name: full tensor}, in one process.")
+    p.add_argument("directory")
+    p.add_argument("output")
+    args = p.parse_args(argv)
+    try:
+        full = export(args.directory, args.output)
+    except FileNotFoundError as e:
+        p.error(str(e))
+    info = read_info(args.directory)
+    size = sum(t.numel() * t.element_size() for t in full.values())
+    print(f"{args.output}: {len(full)} tensors, {size / 1024:.1f} KiB, of a stage {info['stage']} ({info['impl']}) "
+          f"run saved by {info['world_size']} rank(s) after {info['steps_done']} steps")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
