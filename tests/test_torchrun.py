@@ -52,3 +52,36 @@ def test_two_nodes_under_torchrun_match_the_pool(stage, rdzv, tmp_path):
     assert set(a) == set(b)
     err = max((a[k] - b[k]).abs().max().item() for k in a)
     assert err <= 1e-12, f"stage {stage}: torchrun and the pool differ by {err}"
+
+
+# (not --reduce-dtype: reducing float64 gradients in fp32 or bf16 rounds them, by design)
+PRACTICE = ["--grad-accum", "2", "--accum-sync", "last", "--clip", "0.05", "--activation-checkpointing"]
+
+
+@pytest.mark.skipif(TORCHRUN is None, reason="torchrun not found")
+@pytest.mark.parametrize("impl,stage", [("zeronb", 3), ("torch", 2)])
+def test_training_in_practice_under_torchrun_checkpoints_and_resumes_on_a_pool(impl, stage, tmp_path):
+    """Under torchrun (2 nodes x 2), with accumulation, clipping and activation checkpointing:
+    save after 2 steps; resume on a pool of 2 ranks to 4 steps; equal to one process."""
+    from zeronb.train import max_diff, parse_args, run, train_single
+
+    ckpt = str(tmp_path / "ckpt")
+    argv = ["--stage", str(stage), "--impl", impl, "--model", "gpt", "--dtype", "float64", *PRACTICE]
+    port = _free_port()
+    env = dict(os.environ, GLOO_SOCKET_IFNAME=loopback_interface(), OMP_NUM_THREADS="1")
+    meet = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"practice-{impl}"]
+    nodes = [subprocess.Popen([TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node), *meet,
+                               "--max-restarts", "0", "-m", "zeronb.train", *argv, "--steps", "2", "--checkpoint", ckpt],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for node in (0, 1)]
+    logs = []
+    try:
+        for p in nodes:
+            logs.append(p.communicate(timeout=300)[0])
+    finally:
+        for p in nodes:
+            p.kill()
+    assert all(p.returncode == 0 for p in nodes), "\n".join(logs)[-4000:]
+    resumed = run(parse_args([*argv, "--nproc", "2", "--steps", "4", "--resume", ckpt]))
+    reference = train_single(parse_args(["--model", "gpt", "--dtype", "float64", "--clip", "0.05", "--steps", "4"]))
+    assert max_diff(resumed["params"], reference["params"]) <= 1e-10

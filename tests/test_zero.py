@@ -184,8 +184,9 @@ def _accumulate(model, dtype):
     return out
 
 
-def test_gradient_accumulation_matches_one_process_on_the_whole_batch_for_every_stage_and_choice():
-    with Cluster(2, backend="gloo", verbose=False) as c:
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_gradient_accumulation_matches_one_process_on_the_whole_batch_for_every_stage_and_choice(ranks):
+    with Cluster(ranks, backend="gloo", verbose=False) as c:
         res = c.run(_accumulate, "gpt", "float64", echo=False, timeout=600)
     ref = train_single(_args(model="gpt", dtype="float64", stage=0, steps=2))["params"]
     for (stage, impl, sync), r in res[0].items():
@@ -224,9 +225,10 @@ def _clipped(clip):
     return out
 
 
-def test_global_norm_clipping_over_shards_matches_clip_grad_norm_on_one_process():
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_global_norm_clipping_over_shards_matches_clip_grad_norm_on_one_process(ranks):
     clip = 0.05  # well below this model's gradient norm (~0.4): every step is clipped
-    with Cluster(2, backend="gloo", verbose=False) as c:
+    with Cluster(ranks, backend="gloo", verbose=False) as c:
         res = c.run(_clipped, clip, echo=False, timeout=600)
         unclipped = c.run(_clipped, None, echo=False, timeout=600)[0]
     ref = train_single(_args(model="gpt", dtype="float64", stage=0, steps=3, clip=clip))
@@ -255,8 +257,9 @@ def _reduce_dtypes():
     return out
 
 
-def test_reducing_in_bf16_halves_the_bytes_and_costs_precision_against_float64():
-    with Cluster(2, backend="gloo", verbose=False) as c:
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_reducing_in_bf16_halves_the_bytes_and_costs_precision_against_float64(ranks):
+    with Cluster(ranks, backend="gloo", verbose=False) as c:
         res = c.run(_reduce_dtypes, echo=False, timeout=600)
     ref = train_single(_args(model="gpt", dtype="float64", stage=0, steps=3))["params"]
 
@@ -288,8 +291,9 @@ def _checkpointed():
     return out
 
 
-def test_activation_checkpointing_keeps_less_and_trains_the_same():
-    with Cluster(2, backend="gloo", verbose=False) as c:
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_activation_checkpointing_keeps_less_and_trains_the_same(ranks):
+    with Cluster(ranks, backend="gloo", verbose=False) as c:
         res = c.run(_checkpointed, echo=False, timeout=600)
     ref = train_single(_args(model="gpt", dtype="float64", stage=0, steps=2))["params"]
     for (stage, impl, ac), (params, act, calls) in res[0].items():
