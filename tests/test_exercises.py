@@ -133,3 +133,187 @@ def test_zero3_bytes_checker():
     assert exercises.check_zero3_bytes(right).ok
     v = exercises.check_zero3_bytes(naive)
     assert not v.ok and "ledger counted" in str(v)
+
+
+# --- the exercises that build the engines: a solution passes; each typical mistake is named -----------
+
+def bucketed_ddp(average=True, reset=True, in_hooks=True, per_parameter=False):
+    def my_bucketed_ddp(buckets):
+        works, pending = [], {}
+        owner = {p: i for i, b in enumerate(buckets) for p in b}
+
+        def send(params):
+            groups = [[q] for q in params] if per_parameter else [params]
+            for group in groups:
+                flat = torch.cat([q.grad.reshape(-1) for q in group])
+                works.append((group, flat, dist.all_reduce(flat, async_op=True)))
+
+        def ready(p):
+            i = owner[p]
+            pending[i].discard(p)
+            if not pending[i]:
+                send(buckets[i])
+                if reset:
+                    pending[i] = set(buckets[i])
+
+        for i, b in enumerate(buckets):
+            pending[i] = set(b)
+            for p in b:
+                if in_hooks:
+                    p.register_post_accumulate_grad_hook(ready)
+
+        def finish():
+            if not in_hooks:
+                for b in buckets:
+                    send(b)
+            for params, flat, work in works:
+                work.wait()
+                if average:
+                    flat /= dist.get_world_size()
+                offset = 0
+                for q in params:
+                    q.grad.copy_(flat[offset:offset + q.numel()].view_as(q))
+                    offset += q.numel()
+            works.clear()
+
+        return finish
+    return my_bucketed_ddp
+
+
+def test_bucketed_ddp_checker():
+    v = exercises.check_bucketed_ddp(bucketed_ddp())
+    assert v.ok, str(v)
+    mistakes = {"no all-reduce was issued during backward": bucketed_ddp(in_hooks=False),
+                "holds the sum over the ranks: divide by N = 4": bucketed_ddp(average=False),
+                "step 2: backward (your hooks) raised": bucketed_ddp(reset=False),
+                "all-reduce calls for 4 buckets: one per bucket": bucketed_ddp(per_parameter=True)}
+    for message, fn in mistakes.items():
+        v = exercises.check_bucketed_ddp(fn)
+        assert not v.ok and message in str(v), (message, str(v))
+    v = exercises.check_bucketed_ddp(lambda buckets: None)
+    assert "should return a function (finish)" in str(v)
+
+
+def zero2_hooks(add=True, free=True):
+    def my_zero2_hooks(buckets, grad_shards):
+        from zeronb.backend import reduce_scatter_single
+
+        pending = [set(b.params) for b in buckets]
+        owner = {p: i for i, b in enumerate(buckets) for p in b.params}
+
+        def ready(p):
+            i = owner[p]
+            pending[i].discard(p)
+            if pending[i]:
+                return
+            out = torch.empty_like(grad_shards[i])
+            reduce_scatter_single(out, buckets[i].flatten_grads())
+            if add:
+                grad_shards[i] += out
+            else:
+                grad_shards[i].copy_(out)
+            if free:
+                for q in buckets[i].params:
+                    q.grad = None
+            pending[i] = set(buckets[i].params)
+
+        for b in buckets:
+            for p in b.params:
+                p.register_post_accumulate_grad_hook(ready)
+    return my_zero2_hooks
+
+
+def test_zero2_hooks_checker():
+    v = exercises.check_zero2_hooks(zero2_hooks())
+    assert v.ok, str(v)
+    v = exercises.check_zero2_hooks(zero2_hooks(add=False))
+    assert not v.ok and "holds the last backward's sum only: add each reduce-scatter" in str(v), str(v)
+    v = exercises.check_zero2_hooks(zero2_hooks(free=False))
+    assert not v.ok and "full gradients are still held" in str(v), str(v)
+
+
+def zero3_unit(free_after_forward=True, average=False):
+    def my_zero3_unit(unit, flat, shard, grad_shard):
+        from zeronb.backend import all_gather_single, reduce_scatter_single
+
+        nbytes, storage, pending = flat.padded * flat.data.element_size(), flat.data.untyped_storage(), set()
+
+        def gather():
+            storage.resize_(nbytes)
+            all_gather_single(flat.data.data, shard)
+
+        def forward_pre(module, args):
+            gather()
+            pending.update(flat.params)
+
+        def ready(p):
+            pending.discard(p)
+            if pending:
+                return
+            out = torch.empty_like(grad_shard)
+            reduce_scatter_single(out, flat.flatten_grads())
+            grad_shard.add_(out / dist.get_world_size() if average else out)
+            for q in flat.params:
+                q.grad = None
+            storage.resize_(0)
+
+        def free_after(module, args, out):  # (returns None: a forward hook's return value replaces the output)
+            storage.resize_(0)
+
+        unit.register_forward_pre_hook(forward_pre)
+        if free_after_forward:
+            unit.register_forward_hook(free_after)
+        unit.register_full_backward_pre_hook(lambda m, g: gather())
+        for p in flat.params:
+            p.register_post_accumulate_grad_hook(ready)
+    return my_zero3_unit
+
+
+def test_zero3_unit_checker():
+    v = exercises.check_zero3_unit(zero3_unit())
+    assert v.ok, str(v)
+    v = exercises.check_zero3_unit(zero3_unit(free_after_forward=False))
+    assert not v.ok and "after its forward the unit still held" in str(v) and "1 reduce-scatter" not in str(v), str(v)
+    v = exercises.check_zero3_unit(zero3_unit(average=True))
+    assert not v.ok and "grad_shard holds the average" in str(v), str(v)
+    v = exercises.check_zero3_unit(lambda unit, flat, shard, grad_shard: None)  # nothing gathers
+    assert not v.ok and "raised" in str(v), str(v)
+
+
+def accumulate_and_clip(scope="global", mean=True, gather=False):
+    def my_accumulate_and_clip(micro_grads, max_norm):
+        from zeronb.backend import all_gather_single, reduce_scatter_single
+
+        n, k = dist.get_world_size(), len(micro_grads)
+        shard = micro_grads[0].new_zeros(micro_grads[0].numel() // n)
+        for g in micro_grads:
+            part = torch.empty_like(shard)
+            reduce_scatter_single(part, g)
+            shard += part
+        if mean:
+            shard /= n * k
+        if gather:  # the whole gradient on every rank, to take its norm: correct, and wasteful
+            full = shard.new_empty(shard.numel() * n)
+            all_gather_single(full, shard)
+            norm = full.norm().item()
+        else:
+            squares = shard.pow(2).sum().reshape(1)
+            if scope == "global":
+                dist.all_reduce(squares)
+            norm = squares.sqrt().item()
+        if scope != "none":
+            shard *= min(1.0, max_norm / (norm + 1e-6))
+        return shard, norm
+    return my_accumulate_and_clip
+
+
+def test_accumulate_and_clip_checker():
+    v = exercises.check_accumulate_and_clip(accumulate_and_clip())
+    assert v.ok, str(v)
+    mistakes = {"clipped by the norm of its own shard": accumulate_and_clip(scope="local"),
+                "the gradient is not clipped": accumulate_and_clip(scope="none"),
+                "a sum where the step needs the mean": accumulate_and_clip(mean=False),
+                "called all_gather: nothing needs gathering": accumulate_and_clip(gather=True)}
+    for message, fn in mistakes.items():
+        v = exercises.check_accumulate_and_clip(fn)
+        assert not v.ok and message in str(v), (message, str(v))
