@@ -169,4 +169,5 @@ def saved_activations(exclude=()):
         else:
             yield counter["result"]
     finally:
-        _counting.remove(counter)
+        # by identity: two counters can be equal as dicts (list.remove would take the wrong one)
+        del _counting[next(i for i, c in enumerate(_counting) if c is counter)]

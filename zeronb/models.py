@@ -136,8 +136,7 @@ def checkpoint_activations(model: nn.Module) -> nn.Module:
     activation memory, one more forward's worth of compute. The module's own hooks (ZeRO-3's,
     FSDP2's) still fire once per forward and backward: the recompute runs inside the unit's
     backward, when its parameters are already gathered. (zeronb.memory.saved_activations then
-    counts what is saved outside the units; the input each unit keeps to recompute from is held
-    by the checkpoint itself, out of its sight.)"""
+    counts, for each unit, the input the checkpoint keeps to recompute from: all it saves.)"""
     from torch.utils.checkpoint import checkpoint
 
     for unit in model.units():
