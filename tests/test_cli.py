@@ -43,3 +43,24 @@ def test_every_path_of_the_train_cli_reports_the_same_fields(tmp_path):
     assert set(one) == set(pool) and set(one["ranks"][0]) == set(pool["ranks"][0])
     assert one["ranks"][0]["bytes"]["grads"] > 0  # the reference keeps its gradients, as DDP does
     assert pool["grad_accum"] == 2 and pool["clip"] == 1.0 and pool["ranks"][0]["grad_norm"] > 0
+
+
+def test_bench_zero_measures_accumulation_and_bf16_reduction_per_stage():
+    p = _run("-m", "zeronb.bench", "zero", "--world-size", "2", "--models", "mlp", "--rounds", "1", "--steps", "2")
+    assert p.returncode == 0, p.stdout + p.stderr
+    num, opt = r"\s+([\d.]+)", r"\s+([\d.]+|-)"
+    rows = re.findall(rf"^\s+mlp\s+(\d)\s+(plain|accum 4, every|accum 4, last|bf16 reduce){num}{num}{opt}{opt}{opt}{opt}{num}$",
+                      p.stdout, re.M)
+    got = {(int(stage), variant): dict(zip(("sent", "x_sent", "wire", "x_wire", "between", "per_psi", "ms"), values))
+           for stage, variant, *values in rows}
+    assert len(got) == 15, p.stdout  # 4 stages x 4 variants, less ZeRO-1's "every" (it has no such choice)
+    for stage in range(4):
+        assert float(got[stage, "bf16 reduce"]["x_sent"]) < 0.9  # the gradients' bytes halve
+        assert got[stage, "plain"]["between"] == "-" and got[stage, "accum 4, last"]["between"] != "-"
+    assert float(got[0, "accum 4, every"]["x_sent"]) == 4.0 and float(got[0, "accum 4, last"]["x_sent"]) == 1.0
+    assert float(got[0, "bf16 reduce"]["x_sent"]) == 0.5
+    # ZeRO-2 and ZeRO-3: syncing every micro-batch holds shards between micro-batches, the other the whole gradient
+    for stage in (2, 3):
+        assert float(got[stage, "accum 4, every"]["per_psi"]) < 0.6 <= 1.0 <= float(got[stage, "accum 4, last"]["per_psi"])
+    if got[0, "plain"]["wire"] != "-":  # gloo on Linux: the OS's count agrees on DDP's ratio
+        assert 3.8 < float(got[0, "accum 4, every"]["x_wire"]) < 4.2

@@ -353,37 +353,62 @@ def _print_collectives(result) -> None:
 
 # --- the ZeRO stages side by side ---------------------------------------------------------------
 
-def _zero_rounds(models, stages, rounds, steps, dtype):
-    """Inside a rank: train each (model, stage) `rounds` times, interleaved, and report each."""
+def practice_variants(k: int = 4) -> dict:
+    """Training in practice, per stage: the flags of each variant `bench zero` measures beside the
+    plain step (accumulation over k micro-batches, synced every micro-batch or after the last;
+    gradients reduced in bf16)."""
+    accum = ["--grad-accum", str(k), "--accum-sync"]
+    return {"plain": [], f"accum {k}, every": accum + ["every"], f"accum {k}, last": accum + ["last"],
+            "bf16 reduce": ["--reduce-dtype", "bf16"]}
+
+
+def _zero_rounds(models, stages, rounds, steps, dtype, variants):
+    """Inside a rank: train each (model, stage, variant) `rounds` times, interleaved, and report each."""
     from .train import parse_args, train_rank
 
     out = {}
     for _ in range(rounds):
         for model in models:
             for stage in stages:
-                args = parse_args(["--model", model, "--stage", str(stage), "--steps", str(steps), "--dtype", dtype])
-                rep = train_rank(args)
-                rep.pop("params", None)
-                out.setdefault((model, stage), []).append(rep)
+                for name, flags in variants.items():
+                    if stage == 1 and "every" in flags:
+                        continue  # ZeRO-1 reduce-scatters once, at the step, whatever --accum-sync says
+                    args = parse_args(["--model", model, "--stage", str(stage), "--steps", str(steps),
+                                       "--dtype", dtype, *flags])
+                    rep = train_rank(args)
+                    rep.pop("params", None)
+                    out.setdefault((model, stage, name), []).append(rep)
     return out
 
 
-def zero(world_size=4, models=("mlp", "gpt"), stages=(0, 1, 2, 3), rounds=3, steps=6, dtype="float32") -> list:
-    """Per model and stage: median step time, bytes sent per step and model-state bytes on rank 0,
-    and step time relative to DDP's - all measured in one run on one pool."""
+def zero(world_size=4, models=("mlp", "gpt"), stages=(0, 1, 2, 3), rounds=3, steps=6, dtype="float32",
+         accum=4) -> list:
+    """Per model, stage and variant (practice_variants): median step time, bytes sent per step (by
+    the ledger, and on the wire where the OS counts them), model-state bytes held on rank 0, the
+    gradient bytes held between micro-batches, and each against the plain step of the same stage
+    and against DDP's - all measured in one run on one pool, the variants interleaved."""
     from .cluster import Cluster
 
+    variants = practice_variants(accum)
     with Cluster(world_size, verbose=False) as c:
-        res = c.run(_zero_rounds, models, stages, rounds, steps, dtype, echo=False, timeout=1800)
+        res = c.run(_zero_rounds, models, stages, rounds, steps, dtype, variants, echo=False, timeout=3600)
     rows = []
-    for model in models:
-        times = {st: statistics.median(max(r[(model, st)][i]["step_ms"] for r in res) for i in range(rounds))
-                 for st in stages}
-        for st in stages:
-            rep = res[0][(model, st)][-1]
-            rows.append({"model": model, "stage": st, "step_ms": times[st], "vs_ddp": times[st] / times[stages[0]],
-                         "sent": sum(rep["sent_bytes_per_step"].values()), "held": sum(rep["bytes"].values()),
-                         "expected_held": sum(rep["expected_bytes"].values()), "num_params": rep["num_params"]})
+    for (model, st, name) in res[0]:
+        # a step takes as long as its slowest rank
+        step_ms = statistics.median(max(r[(model, st, name)][i]["step_ms"] for r in res) for i in range(rounds))
+        rep = res[0][(model, st, name)][-1]
+        held_between = rep["grad_bytes_after_micro_batch"]
+        rows.append({"model": model, "stage": st, "variant": name, "step_ms": step_ms,
+                     "sent": sum(rep["sent_bytes_per_step"].values()), "wire": rep["wire_bytes_per_step"],
+                     "held": sum(rep["bytes"].values()), "expected_held": sum(rep["expected_bytes"].values()),
+                     "grads_between": held_between[0] if held_between and len(held_between) > 1 else None,
+                     "num_params": rep["num_params"]})
+    by = {(r["model"], r["stage"], r["variant"]): r for r in rows}
+    for r in rows:
+        plain = by[r["model"], r["stage"], "plain"]
+        r["vs_ddp"] = r["step_ms"] / by[r["model"], stages[0], "plain"]["step_ms"]
+        r["sent_vs_plain"] = r["sent"] / plain["sent"] if plain["sent"] else None
+        r["wire_vs_plain"] = r["wire"] / plain["wire"] if r["wire"] and plain["wire"] else None
     return rows
 
 
@@ -393,9 +418,23 @@ def _print_zero(rows, world_size, dtype) -> None:
           f"{'sent / psi*b':>12} {'step ms':>8} {'vs DDP':>7}")
     b = {"float32": 4, "float64": 8, "bf16-mixed": 2}[dtype]
     for r in rows:
-        print(f"{r['model']:>5} {r['stage']:>5} {r['num_params']:>8} {r['held'] / 1024:>9.1f} "
-              f"{r['expected_held'] / 1024:>11.1f} {r['sent'] / 1024:>14.1f} {r['sent'] / (r['num_params'] * b):>12.3f} "
-              f"{r['step_ms']:>8.1f} {r['vs_ddp']:>6.2f}x")
+        if r["variant"] == "plain":
+            print(f"{r['model']:>5} {r['stage']:>5} {r['num_params']:>8} {r['held'] / 1024:>9.1f} "
+                  f"{r['expected_held'] / 1024:>11.1f} {r['sent'] / 1024:>14.1f} {r['sent'] / (r['num_params'] * b):>12.3f} "
+                  f"{r['step_ms']:>8.1f} {r['vs_ddp']:>6.2f}x")
+    print("\nTraining in practice, the same run: each variant against the plain step of its stage "
+          "(grads between = gradient bytes held after the first micro-batch)")
+    print(f"{'model':>5} {'stage':>5} {'variant':>16} {'sent KiB':>9} {'x plain':>8} {'wire KiB':>9} {'x plain':>8} "
+          f"{'grads between KiB':>18} {'/ psi*b':>8} {'step ms':>8}")
+    def fmt(value, spec):  # "-" where a variant has no such number (no micro-batches; no wire count)
+        return "-".rjust(int(spec.split(".")[0])) if value is None else format(value, spec)
+
+    for r in rows:
+        between = r["grads_between"]
+        print(f"{r['model']:>5} {r['stage']:>5} {r['variant']:>16} {r['sent'] / 1024:>9.1f} {fmt(r['sent_vs_plain'], '8.2f')} "
+              f"{fmt(r['wire'] and r['wire'] / 1024, '9.1f')} {fmt(r['wire_vs_plain'], '8.2f')} "
+              f"{fmt(between and between / 1024, '18.1f')} {fmt(between and between / (r['num_params'] * b), '8.2f')} "
+              f"{r['step_ms']:>8.1f}")
 
 
 def main(argv=None) -> int:
@@ -412,15 +451,18 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--segment-bytes", type=int, default=None)
     p.add_argument("--json", default=None, help="also write the results to this file")
-    p = sub.add_parser("zero", help="step time, bytes sent and memory per ZeRO stage, both models")
+    p = sub.add_parser("zero", help="step time, bytes sent and memory per ZeRO stage, both models; and what "
+                                    "accumulation and bf16 reduction change, per stage")
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bf16-mixed"])
+    p.add_argument("--grad-accum", type=int, default=4, help="micro-batches of the accumulation variants")
+    p.add_argument("--models", nargs="+", default=["mlp", "gpt"], choices=["mlp", "gpt"])
     args = parser.parse_args(argv)
     if args.what == "zero":
-        _print_zero(zero(args.world_size, rounds=args.rounds, steps=args.steps, dtype=args.dtype),
-                    args.world_size, args.dtype)
+        _print_zero(zero(args.world_size, models=tuple(args.models), rounds=args.rounds, steps=args.steps,
+                         dtype=args.dtype, accum=args.grad_accum), args.world_size, args.dtype)
     if args.what == "collectives":
         result = collectives(tuple(args.world_sizes), tuple(args.sizes), reps=args.reps,
                              segment_bytes=args.segment_bytes)
