@@ -1,6 +1,7 @@
 """The NCCL path, on as many GPUs as the machine has (up to 4; one is enough): a group per device,
 CUDA and CPU tensors in one call, the ring on CUDA, every stage and --impl of the train CLI with
-torch.cuda's memory figures, the exercise checkers, a failure and its recovery, and a soak.
+torch.cuda's memory figures, the training-in-practice flags and a checkpoint resumed on another
+number of ranks, the exercise checkers, a failure and its recovery, and a soak.
 Marked `gpu` and skipped where there is no GPU (CI has none). With one GPU, every test runs on a
 1-rank NCCL group: what several NCCL ranks do (traffic between GPUs) is for a machine with more.
 `bash scripts/gpu_check.sh` runs these, every chapter and the train CLI on a GPU box."""
@@ -115,6 +116,47 @@ def test_train_cli_on_cuda_matches_one_process_and_reports_cuda_memory(stage, im
             assert r["cuda_allocated"] > 0 and r["cuda_peak"] >= r["cuda_allocated"]
 
 
+@pytest.mark.parametrize("stage,impl", [(s, i) for s in range(4) for i in ("zeronb", "torch")])
+def test_training_in_practice_on_cuda_matches_one_process(stage, impl):
+    """Accumulation (both choices), clipping and activation checkpointing on NCCL ranks: the
+    parameters of one CUDA process on the whole batch; bf16 reduction costs precision, within 1e-2."""
+    from zeronb.train import max_diff, parse_args, run, train_single
+
+    common = ["--model", "gpt", "--dtype", "float64", "--steps", "3"]
+    ref = train_single(parse_args([*common, "--clip", "0.05"]))
+    assert ref["ranks"][0]["device"] == "cuda:0"
+    for sync in ("every", "last"):
+        got = run(parse_args([*common, "--nproc", str(N), "--stage", str(stage), "--impl", impl, "--grad-accum", "2",
+                              "--accum-sync", sync, "--clip", "0.05", "--activation-checkpointing"]))
+        assert got["ranks"][0]["device"] == "cuda:0"
+        assert max_diff(got["params"], ref["params"]) <= 1e-10, (stage, impl, sync)
+        assert all(abs(r["grad_norm"] - ref["ranks"][0]["grad_norm"]) <= 1e-12 * r["grad_norm"] for r in got["ranks"])
+    plain = train_single(parse_args(common))["params"]
+    f32 = ["--model", "gpt", "--dtype", "float32", "--steps", "3", "--nproc", str(N), "--stage", str(stage), "--impl", impl]
+    err = {rd: max_diff({k: v.double() for k, v in run(parse_args([*f32, "--reduce-dtype", rd]))["params"].items()}, plain)
+           for rd in ("fp32", "bf16")}
+    assert err["fp32"] < 1e-5 and err["bf16"] < 1e-2, err
+    if N > 1:  # on one rank there is no sum to round
+        assert err["bf16"] > 2 * err["fp32"], err
+
+
+@pytest.mark.parametrize("impl", ["zeronb", "torch"])
+def test_a_checkpoint_saved_on_gpus_resumes_on_another_number_of_ranks(impl, tmp_path):
+    """ZeRO-3 / FSDP2 saved by N NCCL ranks, resumed on N + 1 ranks (gloo on the CPU where there are
+    not enough GPUs: DCP reads CUDA-written shards into CPU tensors); equal to one process."""
+    from zeronb import checkpoint
+    from zeronb.train import max_diff, parse_args, run, train_single
+
+    d = str(tmp_path / "ckpt")
+    common = ["--model", "gpt", "--dtype", "float64", "--stage", "3", "--impl", impl]
+    saved = run(parse_args([*common, "--nproc", str(N), "--steps", "2", "--checkpoint", d]))
+    assert saved["ranks"][0]["device"] == "cuda:0" and checkpoint.read_info(d)["world_size"] == N
+    resumed = run(parse_args([*common, "--nproc", str(N + 1), "--steps", "4", "--resume", d]))
+    ref = train_single(parse_args(["--model", "gpt", "--dtype", "float64", "--steps", "4"]))["params"]
+    assert max_diff(resumed["params"], ref) <= 1e-10
+    assert max_diff(checkpoint.export(d), saved["params"]) == 0.0
+
+
 def test_exercise_checkers_on_nccl():
     from test_exercises import forgot_the_gather, good_all_reduce, ring_all_gather, zero1_step
     from zeronb import exercises
@@ -125,6 +167,14 @@ def test_exercise_checkers_on_nccl():
             assert not exercises.check_all_reduce(forgot_the_gather, world_size=N, sizes=(8,)).ok
         assert exercises.check_ring_all_gather(ring_all_gather, world_size=N).ok
         assert exercises.check_zero1_step(zero1_step, world_size=N).ok
+        # the exercises that build the engines run the learner's hooks inside backward on the GPU
+        from test_exercises import accumulate_and_clip, bucketed_ddp, zero2_hooks, zero3_unit
+
+        for check, solution in ((exercises.check_bucketed_ddp, bucketed_ddp()), (exercises.check_zero2_hooks, zero2_hooks()),
+                                (exercises.check_zero3_unit, zero3_unit()),
+                                (exercises.check_accumulate_and_clip, accumulate_and_clip())):
+            verdict = check(solution, world_size=N)
+            assert verdict.ok, str(verdict)
         assert zeronb.current().backend == "nccl"
     finally:
         zeronb.shutdown()
