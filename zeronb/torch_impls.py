@@ -19,16 +19,14 @@ from .backend import device, fully_shard, mixed_precision_policy
 
 
 def _allreduce_hook(reduce_dtype, bucket):
-    """DDP's default communication, from Python so that the ledger counts it; in `reduce_dtype`
-    if one is given (the state DDP hands the hook)."""
+    """DDP's default communication (torch.distributed.algorithms.ddp_comm_hooks.default_hooks:
+    divide by N, all-reduce the sum), from Python so that the ledger counts it; in `reduce_dtype`
+    if one is given (the state DDP hands the hook), as its bf16_compress_hook does."""
     buf = bucket.buffer()
-    send = buf if reduce_dtype in (None, buf.dtype) else buf.to(reduce_dtype)
-
-    def average(fut):
-        summed = fut.value()[0]
-        return (summed if summed is buf else summed.to(buf.dtype)).div_(dist.get_world_size())
-
-    return dist.all_reduce(send, async_op=True).get_future().then(average)
+    send = buf.div_(dist.get_world_size()) if reduce_dtype in (None, buf.dtype) else \
+        buf.to(reduce_dtype).div_(dist.get_world_size())
+    work = dist.all_reduce(send, async_op=True).get_future()
+    return work.then(lambda fut: fut.value()[0] if send is buf else buf.copy_(fut.value()[0]))
 
 
 class TorchStage:

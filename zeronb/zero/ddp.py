@@ -59,7 +59,6 @@ class DDP(Engine):
                 p.grad = g                              # autograd accumulates into this view
                 p.register_post_accumulate_grad_hook(self._grad_ready)
             b.pending = set()
-            b.synced = None  # with accumulation, synced every micro-batch: the sums so far
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.works = []
         self._reset()
@@ -81,44 +80,34 @@ class DDP(Engine):
             self.works.append((b, self._all_reduce(b)))
 
     def _all_reduce(self, b):
-        """Start the bucket's all-reduce, in reduce_dtype if one is set (the sum is copied back
-        into the gradients when the work is waited for)."""
+        """Start the bucket's all-reduce of gradients divided by N first, as PyTorch's DDP does: the
+        sum that comes back is the average. (So a micro-batch's backward can add its gradients
+        into the average of the micro-batches synced before it: one buffer, whatever the choice.)
+        In reduce_dtype if one is set; the result is copied back when the work is waited for."""
+        average_(b.grad)
         b.comm = b.grad if self.reduce_dtype in (None, b.grad.dtype) else b.grad.to(self.reduce_dtype)
         return dist.all_reduce(b.comm, async_op=True)
 
-    def _wait(self, b, work):
-        work.wait()
-        if b.comm is not b.grad:
-            b.grad.copy_(b.comm)
-        b.comm = None
+    def _wait_all(self):
+        for b, work in self.works:
+            work.wait()
+            if b.comm is not b.grad:
+                b.grad.copy_(b.comm)
+            b.comm = None
+        self.works = []
 
     def end_micro_batch(self):
-        if self.last_micro_batch or not self.sync_each_micro_batch:
-            return  # (no_sync: the gradients keep adding up in place until the last micro-batch)
-        # synced after this micro-batch: move the sums aside, so the next backward starts from zero
-        for b, work in self.works:
-            self._wait(b, work)
-            b.synced = b.grad.clone() if b.synced is None else b.synced.add_(b.grad)
-            b.grad.zero_()
-        self.works = []
+        if not self.last_micro_batch and self.sync_each_micro_batch:
+            self._wait_all()  # the next backward adds into these averages: they must have arrived
 
     def step(self):
-        for b, work in self.works:
-            self._wait(b, work)
-            if b.synced is not None:
-                b.grad.add_(b.synced)
-                b.synced.zero_()
-            average_(b.grad)
-        self.works = []
+        self._wait_all()
         self.adam.step([b.grad for b in self.buckets], self.clip_norm)
         for b in self.buckets:
             b.grad.zero_()
         self._reset()
 
-    def flat_buckets(self):
-        return self.buckets
-
     def state_tensors(self):
         return {"params": [b.data for b in self.buckets],
-                "grads": [b.grad for b in self.buckets] + [b.synced for b in self.buckets],
+                "grads": [b.grad for b in self.buckets],
                 "optimizer": self.adam.state_tensors()}
