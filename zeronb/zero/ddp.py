@@ -107,6 +107,9 @@ class DDP(Engine):
             b.grad.zero_()
         self._reset()
 
+    def flat_buckets(self):
+        return self.buckets
+
     def state_tensors(self):
         return {"params": [b.data for b in self.buckets],
                 "grads": [b.grad for b in self.buckets],
