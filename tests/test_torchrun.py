@@ -20,6 +20,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _two_nodes(meet, train_argv):
+    """torchrun on 2 nodes x 2 processes on loopback, meeting as `meet` says; both must succeed."""
+    env = dict(os.environ, GLOO_SOCKET_IFNAME=loopback_interface(), OMP_NUM_THREADS="1")
+    nodes = [subprocess.Popen([TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node), *meet,
+                               "--max-restarts", "0", "-m", "zeronb.train", *train_argv],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for node in (0, 1)]
+    logs = []
+    try:
+        for p in nodes:
+            logs.append(p.communicate(timeout=300)[0])
+    finally:
+        for p in nodes:
+            p.kill()
+    assert all(p.returncode == 0 for p in nodes), "\n".join(logs)[-4000:]
+
+
 def _train_args(stage, out):
     return ["--stage", str(stage), "--model", "gpt", "--dtype", "float64", "--steps", "3", "--save-params", out]
 
@@ -31,23 +48,11 @@ def test_two_nodes_under_torchrun_match_the_pool(stage, rdzv, tmp_path):
     subprocess.run([sys.executable, "-m", "zeronb.train", "--nproc", "4", *_train_args(stage, pool_out)],
                    check=True, capture_output=True, timeout=300)
     port = _free_port()
-    env = dict(os.environ, GLOO_SOCKET_IFNAME=loopback_interface(), OMP_NUM_THREADS="1")
     if rdzv == "c10d":
         meet = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"zeronb-{stage}"]
     else:  # the static rendezvous: node 0 hosts the store at --master-addr:--master-port
         meet = ["--master-addr", "127.0.0.1", "--master-port", str(port)]
-    nodes = [subprocess.Popen([TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node),
-                               *meet, "--max-restarts", "0", "-m", "zeronb.train", *_train_args(stage, run_out)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for node in (0, 1)]
-    logs = []
-    try:
-        for p in nodes:
-            logs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in nodes:
-            p.kill()
-    assert all(p.returncode == 0 for p in nodes), "\n".join(logs)[-4000:]
+    _two_nodes(meet, _train_args(stage, run_out))
     a, b = torch.load(pool_out), torch.load(run_out)
     assert set(a) == set(b)
     err = max((a[k] - b[k]).abs().max().item() for k in a)
@@ -67,21 +72,8 @@ def test_training_in_practice_under_torchrun_checkpoints_and_resumes_on_a_pool(i
 
     ckpt = str(tmp_path / "ckpt")
     argv = ["--stage", str(stage), "--impl", impl, "--model", "gpt", "--dtype", "float64", *PRACTICE]
-    port = _free_port()
-    env = dict(os.environ, GLOO_SOCKET_IFNAME=loopback_interface(), OMP_NUM_THREADS="1")
-    meet = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"practice-{impl}"]
-    nodes = [subprocess.Popen([TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node), *meet,
-                               "--max-restarts", "0", "-m", "zeronb.train", *argv, "--steps", "2", "--checkpoint", ckpt],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for node in (0, 1)]
-    logs = []
-    try:
-        for p in nodes:
-            logs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in nodes:
-            p.kill()
-    assert all(p.returncode == 0 for p in nodes), "\n".join(logs)[-4000:]
+    meet = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", f"practice-{impl}"]
+    _two_nodes(meet, [*argv, "--steps", "2", "--checkpoint", ckpt])
     resumed = run(parse_args([*argv, "--nproc", "2", "--steps", "4", "--resume", ckpt]))
     reference = train_single(parse_args(["--model", "gpt", "--dtype", "float64", "--clip", "0.05", "--steps", "4"]))
     assert max_diff(resumed["params"], reference["params"]) <= 1e-10

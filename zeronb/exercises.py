@@ -258,6 +258,15 @@ def _mlp_and_reference(steps: int = 2):
     return model, batches, reference
 
 
+def _verdict_from_ranks(title, try_on_rank, fn, world_size, what) -> Verdict:
+    """Run `try_on_rank(fn)` on the ranks (each returns its list of problems) and say what was found."""
+    res, err = _run(_pool(world_size), try_on_rank, fn, timeout=60)
+    if err:
+        return Verdict(title, [err])
+    problems = [f"rank {r}: {p}" for r, probs in enumerate(res) for p in probs]
+    return Verdict(title, problems, [f"checked on {world_size} ranks, {what}"])
+
+
 def _call_learner(what, fn, *args):
     """The learner's function, with its exception turned into a problem line."""
     try:
@@ -343,13 +352,9 @@ def check_bucketed_ddp(fn, world_size: int = 4) -> Verdict:
     collective, async) as soon as backward has produced all its gradients; `finish()` waits for
     them and leaves the *averaged* gradient in every parameter's .grad. Checked over two
     training steps against all-reducing each gradient after backward."""
-    pool = _pool(world_size)
-    res, err = _run(pool, _try_bucketed_ddp, fn, timeout=60)
-    if err:
-        return Verdict("bucketed DDP", [err])
-    problems = [f"rank {r}: {p}" for r, probs in enumerate(res) for p in probs]
-    return Verdict("bucketed DDP", problems, [f"checked on {world_size} ranks, two steps of the MLP in float64: "
-                                              "gradients, one all-reduce per bucket, issued during backward"])
+    return _verdict_from_ranks("bucketed DDP", _try_bucketed_ddp, fn, world_size,
+                               "two steps of the MLP in float64: gradients, one all-reduce per bucket, "
+                               "issued during backward")
 
 
 def _try_zero2_hooks(fn):
@@ -417,13 +422,8 @@ def check_zero2_hooks(fn, world_size: int = 4) -> Verdict:
     `.flatten_grads()`, `.chunk_numel`); `grad_shards[i]` is this rank's gradient shard of bucket
     i. When all of a bucket's gradients exist: reduce-scatter them (summed), *add* the result into
     grad_shards[i], and free the full gradients. Checked over two backwards (accumulation)."""
-    pool = _pool(world_size)
-    res, err = _run(pool, _try_zero2_hooks, fn, timeout=60)
-    if err:
-        return Verdict("ZeRO-2 reduce-scatter hooks", [err])
-    problems = [f"rank {r}: {p}" for r, probs in enumerate(res) for p in probs]
-    return Verdict("ZeRO-2 reduce-scatter hooks", problems,
-                   [f"checked on {world_size} ranks, two backwards of the MLP in float64: shards, calls, memory"])
+    return _verdict_from_ranks("ZeRO-2 reduce-scatter hooks", _try_zero2_hooks, fn, world_size,
+                               "two backwards of the MLP in float64: shards, calls, memory")
 
 
 def _try_zero3_unit(fn):
@@ -497,13 +497,9 @@ def check_zero3_unit(fn, world_size: int = 4) -> Verdict:
     storage has been freed (0 bytes); `shard` is this rank's chunk of them. Register hooks: gather
     before forward, free after it; gather again before backward; once all its gradients exist,
     reduce-scatter them (summed) into `grad_shard`, and free gradients and parameters."""
-    pool = _pool(world_size)
-    res, err = _run(pool, _try_zero3_unit, fn, timeout=60)
-    if err:
-        return Verdict("ZeRO-3 unit", [err])
-    problems = [f"rank {r}: {p}" for r, probs in enumerate(res) for p in probs]
-    return Verdict("ZeRO-3 unit", problems, [f"checked on {world_size} ranks, one step of the MLP in float64: what the "
-                                             "unit holds before and after forward and backward, its gradient shard, its collectives"])
+    return _verdict_from_ranks("ZeRO-3 unit", _try_zero3_unit, fn, world_size,
+                               "one step of the MLP in float64: what the unit holds before and after forward and "
+                               "backward, its gradient shard, its collectives")
 
 
 def _try_accumulate_and_clip(fn, max_norm, k):
