@@ -52,7 +52,9 @@ def test_the_store_listens_on_loopback_only():
 
     import psutil
 
-    store = backend.loopback_store(2, timedelta(seconds=5))
+    from zeronb.launch import loopback_store
+
+    store = loopback_store(2, timedelta(seconds=5))
     mine = [c for c in psutil.Process().net_connections("inet")
             if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port]
     assert [c.laddr.ip for c in mine] == ["127.0.0.1"]

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from zeronb.backend import loopback_interface
+from zeronb.launch import loopback_interface
 
 TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
 

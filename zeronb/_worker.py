@@ -12,10 +12,7 @@ where a blocked rank is stuck.
 import os
 import sys
 
-def end_marker(call_id: int) -> bytes:
-    """Written to stdout and stderr after each call; cluster.py splits the streams on it."""
-    return b"\x1ezeronb-end:%d\x1e\n" % call_id
-
+from zeronb.messages import Hello, Reply, end_marker
 
 def _die_with_parent(parent_pid: int) -> None:
     """Exit as soon as the parent process is gone, even while user code holds the main thread
@@ -145,20 +142,20 @@ def main(authkey: bytes) -> None:
         torch.set_num_threads(int(threads))
 
     conn = Client((os.environ["ZERONB_HOST"], int(os.environ["ZERONB_PORT"])), authkey=authkey)
-    conn.send(("hello", rank, os.getpid()))
+    conn.send(Hello(rank, os.getpid()))
 
     backend = os.environ["ZERONB_BACKEND"]
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=False, timeout=timedelta(seconds=60))
     _init_group(backend, store, rank, world_size)
     _flush_all(0)
-    conn.send(("ready", 0, {"pid": os.getpid(), "host": socket.gethostname(), "backend": backend,
-                            "torch": torch.__version__}))
+    conn.send(Reply("ready", 0, {"pid": os.getpid(), "host": socket.gethostname(), "backend": backend,
+                                 "torch": torch.__version__}))
 
     namespace = {"__name__": "__rank__", "__builtins__": __builtins__}  # %%ranks cells share it
     while True:
         try:
-            kind, call_id, blob = pickle.loads(conn.recv_bytes())
+            kind, call_id, payload = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             break  # the notebook closed the channel: shut down
         if kind == "exit":
@@ -169,26 +166,26 @@ def main(authkey: bytes) -> None:
             # old group's. The notebook asks every rank at once, so they all arrive.
             if dist.is_initialized():
                 dist.destroy_process_group()
-            _init_group(backend, dist.PrefixStore(f"regroup{blob}/", store), rank, world_size)
+            _init_group(backend, dist.PrefixStore(f"regroup{payload}/", store), rank, world_size)
             _flush_all(call_id)
-            conn.send(("ready", call_id, None))
+            conn.send(Reply("ready", call_id))
             continue
         try:
             if kind == "call":
-                fn, args, kwargs = cloudpickle.loads(blob)
+                fn, args, kwargs = cloudpickle.loads(payload)
                 value = fn(*args, **kwargs)
             else:  # "cell"
-                source, filename = blob
+                source, filename = payload
                 value = _run_cell(source, filename, namespace)
             try:
-                reply = ("ok", call_id, cloudpickle.dumps(_to_cpu(value)))
+                reply = Reply("ok", call_id, cloudpickle.dumps(_to_cpu(value)))
             except Exception as e:
-                reply = ("unpicklable", call_id, f"{type(value).__module__}.{type(value).__qualname__}: {e}")
+                reply = Reply("unpicklable", call_id, f"{type(value).__module__}.{type(value).__qualname__}: {e}")
         except BaseException as e:  # SystemExit and KeyboardInterrupt are reported too
-            reply = ("error", call_id, describe_exception(e))
+            reply = Reply("error", call_id, describe_exception(e))
         _flush_all(call_id)
         try:
-            conn.send(reply + (dist.is_initialized(),))
+            conn.send(reply._replace(group_alive=dist.is_initialized()))
         except (EOFError, OSError):
             break
 

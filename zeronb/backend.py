@@ -1,17 +1,17 @@
-"""Which backend and device each rank uses, and the torch-version shims.
+"""Which backend and device each rank uses.
 
-Everything that depends on the machine (GPUs or not) or on the torch version lives here, so that
-the rest of zeronb, the notebooks and the tests can stay the same everywhere.
+Everything that depends on the machine (GPUs or not) lives here, so that the rest of zeronb, the
+notebooks and the tests can stay the same everywhere. (What depends on the torch version is in
+zeronb.compat.)
 """
 from __future__ import annotations
 
 import os
-import socket
-import sys
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+
+from .compat import backend_config
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -99,113 +99,6 @@ def backend_for(what="cpu", group=None) -> str:
     group: "gloo" or "nccl". Ask this rather than compare `dist.get_backend()` with "nccl", which
     reads "cpu:gloo,cuda:nccl" in a group with a backend per device."""
     kind = what.device.type if isinstance(what, torch.Tensor) else torch.device(what).type
-    config = str(dist.get_backend_config(group)) if hasattr(dist, "get_backend_config") else dist.get_backend(group)
+    config = backend_config(group)
     per_device = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
     return per_device.get(kind, config if ":" not in config else "")
-
-
-def loopback_interface() -> str:
-    """Name of the loopback interface, for GLOO_SOCKET_IFNAME (gloo otherwise binds to whatever the
-    hostname resolves to, which may be a public address)."""
-    try:
-        for _, name in socket.if_nameindex():
-            if name.startswith("lo"):
-                return name
-    except OSError:
-        pass
-    return "lo0" if sys.platform == "darwin" else "lo"
-
-
-def loopback_store(world_size: int, timeout) -> dist.TCPStore:
-    """The rendezvous store, hosted by the calling process on 127.0.0.1 and a free port.
-
-    TCPStore binds every interface when it opens its own socket; handing it a socket already bound
-    to 127.0.0.1 keeps it off the network. Port 0 lets the OS pick a free port, so two notebooks
-    never collide (and nothing races between choosing a port and binding it).
-    """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(max(64, world_size))
-    port = sock.getsockname()[1]
-    # the store owns the listening socket from here on (detach: Python must not close it)
-    kw = dict(world_size=None, is_master=True, timeout=timeout, wait_for_workers=False,
-              master_listen_fd=sock.detach())
-    try:
-        store = dist.TCPStore("127.0.0.1", port, **kw)
-    except (RuntimeError, ValueError):  # older libuv stores do not take a listening fd
-        store = dist.TCPStore("127.0.0.1", port, use_libuv=False, **kw)
-    return store
-
-
-# --- torch-version shims: the only place that looks at the torch version ---------------------
-# torch 2.13 added all_gather_single / reduce_scatter_single and deprecated the *_tensor names.
-
-if hasattr(dist, "all_gather_single"):
-    def all_gather_single(output, input, group=None, async_op=False):
-        return dist.all_gather_single(output, input, group=group, async_op=async_op)
-
-    def _torch_reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
-else:
-    def all_gather_single(output, input, group=None, async_op=False):
-        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
-
-    def _torch_reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
-
-all_gather_single.__doc__ = "all-gather into one flat tensor (all_gather_single, or its pre-2.13 name)"
-
-_reduce_scatter_by_ring = False  # a module flag, not a context variable: autograd hooks run in other threads
-
-
-def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-    """Reduce-scatter one flat tensor (reduce_scatter_single, or its pre-2.13 name), or, inside
-    `ring_reduce_scatter()`, zeronb's ring."""
-    if _reduce_scatter_by_ring and group is None and not async_op and op == dist.ReduceOp.SUM:
-        from .collectives import ring_reduce_scatter
-
-        output.copy_(ring_reduce_scatter(input))
-        return None
-    return _torch_reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
-
-
-@contextmanager
-def ring_reduce_scatter():
-    """Run the stages' reduce-scatters as zeronb's ring (point-to-point sends) while the context is
-    open. PyTorch's gloo group carries out a reduce-scatter as a whole all-reduce, twice the bytes;
-    the ring sends the (N-1)/N of the tensor a reduce-scatter needs, so that bytes on the wire
-    measure the algorithm rather than gloo's shortcut."""
-    global _reduce_scatter_by_ring
-    before, _reduce_scatter_by_ring = _reduce_scatter_by_ring, True
-    try:
-        yield
-    finally:
-        _reduce_scatter_by_ring = before
-
-
-def fully_shard():
-    """PyTorch FSDP2's `fully_shard` (torch.distributed.fsdp from 2.6; the _composable path before)."""
-    try:
-        from torch.distributed.fsdp import fully_shard as fn
-    except ImportError:
-        from torch.distributed._composable.fsdp import fully_shard as fn
-    return fn
-
-
-def mixed_precision_policy():
-    """FSDP2's `MixedPrecisionPolicy` (torch.distributed.fsdp from 2.6; the _composable path before)."""
-    try:
-        from torch.distributed.fsdp import MixedPrecisionPolicy as cls
-    except ImportError:
-        from torch.distributed._composable.fsdp import MixedPrecisionPolicy as cls
-    return cls
-
-
-def sharded_1d(local: torch.Tensor, numel: int, mesh) -> torch.Tensor:
-    """A DTensor of `numel` elements, Shard(0) over a 1-D `mesh`, of which this rank holds `local`
-    (torch.chunk's piece: zeronb.shards.bounds). torch.distributed.tensor from 2.5; _tensor before."""
-    try:
-        from torch.distributed.tensor import DTensor, Shard
-    except ImportError:
-        from torch.distributed._tensor import DTensor, Shard
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(numel,), stride=(1,))

@@ -42,7 +42,7 @@ def spawn_once(world_size: int, backend: str = "gloo") -> float:
 
     import torch.multiprocessing as mp
 
-    from .backend import loopback_interface, loopback_store
+    from .launch import loopback_interface, loopback_store
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     store = loopback_store(world_size, timedelta(seconds=60))
@@ -57,7 +57,7 @@ def torchrun_once(world_size: int, backend: str = "gloo") -> float:
     import subprocess
     import tempfile
 
-    from .backend import loopback_interface
+    from .launch import loopback_interface
 
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "trivial.py")

@@ -28,27 +28,26 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
-import re
 import secrets
-import signal
-import subprocess
+import shutil
 import sys
 import tempfile
 import threading
 import time
 import weakref
 from datetime import timedelta
-from multiprocessing.connection import Listener, wait
+from multiprocessing.connection import Listener
 
 import cloudpickle
 
 from . import backend as _backend
-from . import forkserver
-from .errors import call_failure, format_stack_dump, join_ranks, shorten, signal_name
+from . import calls, forkserver, launch
+from .errors import call_failure, format_stack_dump, join_ranks, shorten
+from .messages import Call
+from .rank_output import print_grouped
 
 DEFAULT_TIMEOUT = 120.0  # seconds; generous for teaching. ZERONB_TIMEOUT overrides it (CI sets it lower)
 START_TIMEOUT = 120.0    # seconds for the ranks to connect and join the group
-GRACE = 1.0              # seconds the other ranks get to finish after one rank failed
 MAX_WORLD_SIZE = int(os.environ.get("ZERONB_MAX_WORLD_SIZE", "32"))
 
 
@@ -88,23 +87,6 @@ def _default_timeout() -> float:
     return float(os.environ.get("ZERONB_TIMEOUT", DEFAULT_TIMEOUT))
 
 
-# ---------------------------------------------------------------------------------------------
-
-class _Rank:
-    """The notebook's handle on one rank process: its control connection and output pipes."""
-
-    def __init__(self, rank, proc: forkserver.RankProcess, stack_file):
-        self.rank = rank
-        self.proc = proc
-        self.stack_file = stack_file
-        self.conn = None
-        self.info = {}
-        self.buf = {1: b"", 2: b""}       # bytes read from stdout (1) / stderr (2), not yet assigned
-        self.printed = {1: 0, 2: 0}       # live mode: how much of buf was already shown
-        self.fds = {proc.stdout_fd: 1, proc.stderr_fd: 2}
-        self.open_fds = set(self.fds)
-
-
 class Cluster:
     """A pool of `world_size` rank processes sharing one process group.
 
@@ -125,10 +107,11 @@ class Cluster:
         # makes everything slower), so each gets an equal share unless told otherwise.
         self.threads = threads or max(1, (os.cpu_count() or 1) // world_size)
         self.verbose = verbose
-        self._ranks: list[_Rank] = []
+        self._ranks: list[launch.Rank] = []
         self._closed = False
         self._dead_reason = None  # why the ranks were stopped; they restart on the next call
         self._call_id = 0
+        self._generation = 0      # how many times the ranks rebuilt their group after a call destroyed it
         self._lock = threading.Lock()
         self._start()
         _live_clusters.add(self)
@@ -141,44 +124,23 @@ class Cluster:
 
     def _start(self) -> None:
         t0 = time.perf_counter()
-        env = dict(os.environ)
-        env.pop("PYTEST_CURRENT_TEST", None)
         path = forkserver.import_path()
-        server = forkserver.helper(env, path, say=self._say)
+        server = forkserver.helper(dict(os.environ), path, say=self._say)
         server.wait_ready()  # the first pool of a process waits here while the helper imports torch
         self.helper_wait_seconds = time.perf_counter() - t0
         self.helper_pid = server.pid
         self._tmp = tempfile.mkdtemp(prefix="zeronb-")
         key = secrets.token_bytes(32)
-        self._listener = Listener(("127.0.0.1", 0), authkey=key, backlog=self.world_size + 4)
-        self._store = _backend.loopback_store(self.world_size, timedelta(seconds=START_TIMEOUT))
-        host, port = self.control_address = self._listener.address  # closed once the ranks are in
-        per_node = self.world_size // self.nodes
-        env.update({
-            "WORLD_SIZE": str(self.world_size), "LOCAL_WORLD_SIZE": str(per_node),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self._store.port),
-            "ZERONB_HOST": host, "ZERONB_PORT": str(port),
-            "ZERONB_BACKEND": self.backend, "ZERONB_THREADS": str(self.threads),
-            "OMP_NUM_THREADS": str(self.threads), "PYTHONUNBUFFERED": "1",
-            # one machine: gloo's pairs and NCCL's bootstrap listen on loopback, not the network
-            "GLOO_SOCKET_IFNAME": _backend.loopback_interface(),
-            "NCCL_SOCKET_IFNAME": _backend.loopback_interface(),
-            # what a rank launched on its own would see: the notebook's import path (this zeronb,
-            # the notebook's own modules: functions from importable modules are pickled by reference)
-            "PYTHONPATH": os.pathsep.join(path),
-        })
-        self._ranks = []
-        self._generation = 0  # how many times the ranks rebuilt their group after a call destroyed it
+        listener = Listener(("127.0.0.1", 0), authkey=key, backlog=self.world_size + 4)
+        self._store = launch.loopback_store(self.world_size, timedelta(seconds=START_TIMEOUT))
+        self.control_address = listener.address
+        envs = launch.rank_environment(os.environ, world_size=self.world_size, nodes=self.nodes,
+                                       store_port=self._store.port, control=listener.address,
+                                       backend=self.backend, threads=self.threads, path=path)
         try:
-            for r in range(self.world_size):
-                stack_file = os.path.join(self._tmp, f"rank{r}.stack")
-                open(stack_file, "w").close()
-                renv = dict(env, RANK=str(r), LOCAL_RANK=str(r % per_node), GROUP_RANK=str(r // per_node),
-                            NODE_RANK=str(r // per_node), ZERONB_STACK_FILE=stack_file)
-                proc = server.fork(renv, os.getcwd(), path, key)
-                self._ranks.append(_Rank(r, proc, stack_file))
-            self._accept(key, time.monotonic() + START_TIMEOUT)
-            self._wait(0, time.monotonic() + START_TIMEOUT, starting=True)
+            self._ranks = launch.fork_ranks(server, envs, path, key, self._tmp)
+            launch.accept(listener, self._ranks, START_TIMEOUT)
+            self._await(0, START_TIMEOUT, starting=True)
         except forkserver.HelperGone:
             self._kill()
             raise RuntimeError("zeronb: the helper process that forks the ranks exited while they were "
@@ -187,70 +149,20 @@ class Cluster:
             self._kill()
             raise
         finally:
-            self._listener.close()  # every rank is connected: nothing more may connect
+            listener.close()  # every rank is connected: nothing more may connect
         self._dead_reason = None
         self.start_seconds = time.perf_counter() - t0
         waited = (f" ({self.helper_wait_seconds:.1f} s of it importing torch, once per process)"
                   if self.helper_wait_seconds > 0.1 else "")
         self._say(f"{self.world_size} ranks ready in {self.start_seconds:.2f} s{waited}, {self.why}")
 
-    def _accept(self, key, deadline) -> None:
-        """Accept one authenticated connection per rank; a connection with a wrong key is refused
-        (the challenge fails) and does not count."""
-        accepted, failure = [], []
-
-        def accept_all():
-            while len(accepted) < self.world_size:
-                try:
-                    conn = self._listener.accept()
-                except OSError as e:  # listener closed: startup was abandoned
-                    failure.append(e)
-                    return
-                except Exception:  # AuthenticationError and friends: not one of ours
-                    continue
-                accepted.append(conn)
-
-        t = threading.Thread(target=accept_all, name="zeronb-accept", daemon=True)
-        t.start()
-        while t.is_alive():
-            t.join(0.05)
-            dead = [rk for rk in self._ranks if rk.proc.poll() is not None]
-            if dead or time.monotonic() > deadline:
-                self._listener.close()
-                t.join(1)
-                if dead:
-                    self._raise_start_failure(dead)
-                raise RuntimeError(f"zeronb: the ranks did not connect within {START_TIMEOUT:.0f} s")
-        for conn in accepted:
-            kind, rank, pid = conn.recv()
-            self._ranks[rank].conn = conn
-
-    def _raise_start_failure(self, dead) -> None:
-        lines = []
-        for rk in dead:
-            try:
-                rk.proc.wait(2)
-            except subprocess.TimeoutExpired:
-                pass
-            self._drain(rk, until_eof=True)
-            err = rk.buf[2].decode(errors="replace").strip()
-            lines.append(f"--- rank {rk.rank} {signal_name(rk.proc.returncode)} ---\n{err[-3000:]}")
-        self._kill()
-        raise RuntimeError("zeronb: ranks failed to start:\n" + "\n".join(lines))
-
     def _kill(self) -> None:
         """Stop every rank now (SIGKILL to each rank's session: its own children too) and wait
         until the helper has reaped it."""
         for rk in self._ranks:
-            rk.proc.kill()
+            rk.kill()
         for rk in self._ranks:
-            try:
-                rk.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-            rk.proc.close()
-            if rk.conn is not None:
-                rk.conn.close()
+            rk.reap()
         self._ranks = []
         self._store = None
 
@@ -261,17 +173,17 @@ class Cluster:
         self._closed = True
         for rk in self._ranks:
             try:
-                rk.conn.send_bytes(pickle.dumps(("exit", -1, None)))
+                rk.conn.send_bytes(pickle.dumps(Call("exit", -1)))
             except Exception:
                 pass
         deadline = time.monotonic() + 3
         for rk in self._ranks:
             try:
                 rk.proc.wait(max(0.05, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            except Exception:
                 pass
         self._kill()
-        _rmtree(self._tmp)
+        shutil.rmtree(self._tmp, ignore_errors=True)
         _live_clusters.discard(self)
 
     shutdown = close
@@ -306,8 +218,7 @@ class Cluster:
             raise RuntimeError("this zeronb Cluster was closed; start a new one "
                                "(zeronb.start(world_size=...) or zeronb.Cluster(...))")
         if self._dead_reason is not None:
-            reason = self._dead_reason
-            self._say(f"restarting the {self.world_size} ranks (the last call {reason}); "
+            self._say(f"restarting the {self.world_size} ranks (the last call {self._dead_reason}); "
                       "per-rank state from earlier calls was lost")
             self._start()
 
@@ -340,149 +251,68 @@ class Cluster:
         """Run notebook source code in each rank's own namespace (what the %%ranks magic does)."""
         return self._call("cell", (source, filename), timeout, live, echo)
 
-    def _call(self, kind, blob, timeout, live, echo) -> RankResults:
+    def _call(self, kind, payload, timeout, live, echo) -> RankResults:
         timeout = _default_timeout() if timeout is None else float(timeout)
         if not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
         with self._lock:  # one call at a time per pool: the ranks run one function at a time
             self._ensure_running()
-            self._call_id += 1
-            msg = pickle.dumps((kind, self._call_id, blob))
-            for rk in self._ranks:
-                self._drain(rk)  # output printed between calls (rare) belongs to no call
-                rk.buf, rk.printed = {1: b"", 2: b""}, {1: 0, 2: 0}
             t0 = time.perf_counter()
-            for rk in self._ranks:
-                try:
-                    rk.conn.send_bytes(msg)
-                except OSError:  # the rank died since the last call: the wait below reports it
-                    pass
-            return self._wait(self._call_id, time.monotonic() + timeout, timeout=timeout, live=live,
-                              echo=echo, t0=t0)
+            out = self._await(self._send(kind, payload), timeout, live=live)
+            if echo and not live:
+                print_grouped(out.stdout, out.stderr)
+            if out.complete:
+                self._restore_group(sorted(r for r, rep in out.replies.items() if not rep.group_alive))
+            errors = out.errors
+            if out.complete and not errors:
+                values = [cloudpickle.loads(out.replies[r].value) for r in range(self.world_size)]
+                return RankResults(values, out.stdout, out.stderr, time.perf_counter() - t0)
+            if out.complete and all(rep.status == "unpicklable" for rep in errors.values()):
+                r0 = min(errors)
+                raise TypeError(f"rank(s) {join_ranks(sorted(errors))} returned a value that cannot be sent back to "
+                                f"the notebook ({errors[r0].value}). Return plain data instead: numbers, lists, "
+                                "dicts, tensors (use .item(), .tolist() or .detach()).")
+            stacks = self._stacks(out.still)
+            orphaned = {r for r in out.died if self._ranks[r].proc.orphaned}  # the helper died, and they with it
+            if not out.complete:  # the group is broken: a rank is gone, or stuck waiting for one
+                self._stop("failed" if errors or out.died else "timed out")
+            raise call_failure(errors, out.died, out.still, stacks, orphaned,
+                               timeout, out.stdout, out.stderr)
 
-    def _drain(self, rk: _Rank, until_eof: bool = False) -> None:
-        """Read whatever a rank's pipes hold now without blocking (or all of it, if it exited)."""
-        while rk.open_fds:
-            ready = wait(list(rk.open_fds), timeout=0.5 if until_eof else 0)
-            if not ready:
-                return
-            for fd in ready:
-                self._read(rk, fd)
+    def _send(self, kind, payload) -> int:
+        """Send a call to every rank; its id."""
+        self._call_id += 1
+        msg = pickle.dumps(Call(kind, self._call_id, payload))
+        for rk in self._ranks:
+            rk.output.drain()  # output printed between calls (rare) belongs to no call
+            rk.output.reset()
+        for rk in self._ranks:
+            try:
+                rk.conn.send_bytes(msg)
+            except OSError:  # the rank died since the last call: the wait reports it
+                pass
+        return self._call_id
 
-    def _read(self, rk: _Rank, fd: int, live: bool = False) -> None:
-        data = os.read(fd, 1 << 16)
-        if not data:
-            rk.open_fds.discard(fd)
-            return
-        stream = rk.fds[fd]
-        rk.buf[stream] += data
-        if live:  # print the complete lines that arrived, never the end marker
-            buf = rk.buf[stream]
-            end = buf.rfind(b"\n") + 1
-            out = sys.stdout if stream == 1 else sys.stderr
-            for line in _strip_markers(buf[rk.printed[stream]:end]).splitlines():
-                print(f"[rank {rk.rank}] {line.decode(errors='replace')}", file=out, flush=True)
-            rk.printed[stream] = max(rk.printed[stream], end)
-
-    def _wait(self, call_id, deadline, *, starting=False, timeout=None, live=False, echo=True, t0=None):
-        """The one loop that waits for a call: replies, output, deaths and the clock."""
-        from ._worker import end_marker
-
-        marker = end_marker(call_id)
-        n = self.world_size
-        replies: dict[int, tuple] = {}
-        died: dict[int, int] = {}
-        first_failure = None
-        by_conn = {rk.conn: rk for rk in self._ranks}
-        by_fd = {fd: rk for rk in self._ranks for fd in rk.fds}
-
-        def complete(rk):
-            return marker in rk.buf[1] and marker in rk.buf[2]
-
+    def _await(self, call_id, timeout, *, starting=False, live=False) -> calls.Outcome:
+        """Wait for a call (or, `starting`, for the ranks to join their group, which raises if
+        one does not)."""
         try:
-            while True:
-                pending = [rk for rk in self._ranks if rk.rank not in replies and rk.rank not in died]
-                waiting_output = [rk for rk in self._ranks if rk.rank in replies and not complete(rk)
-                                  and rk.open_fds]
-                if not pending and not waiting_output:
-                    break
-                now = time.monotonic()
-                if first_failure is not None and now > first_failure + GRACE and pending:
-                    break  # the rest are blocked: stop waiting for them
-                if now > deadline:
-                    break
-                limit = deadline if first_failure is None else min(deadline, first_failure + GRACE)
-                objs = [rk.conn for rk in pending] + [fd for rk in self._ranks for fd in rk.open_fds]
-                for obj in wait(objs, timeout=max(0.0, min(limit - now, 0.25))):
-                    if isinstance(obj, int):
-                        self._read(by_fd[obj], obj, live=live)
-                        continue
-                    rk = by_conn[obj]
-                    try:
-                        replies[rk.rank] = obj.recv()
-                        if replies[rk.rank][0] not in ("ok", "ready") and first_failure is None:
-                            first_failure = time.monotonic()
-                    except (EOFError, OSError):
-                        try:
-                            code = rk.proc.wait(2)
-                        except subprocess.TimeoutExpired:
-                            code = None
-                        died[rk.rank] = code if code is not None else -9
-                        self._drain(rk, until_eof=True)
-                        if first_failure is None:
-                            first_failure = time.monotonic()
-                # a rank that exits without its control channel noticing yet
-                for rk in pending:
-                    if rk.rank not in died and rk.proc.poll() is not None and not rk.conn.poll():
-                        died[rk.rank] = rk.proc.returncode
-                        self._drain(rk, until_eof=True)
-                        if first_failure is None:
-                            first_failure = time.monotonic()
+            out = calls.wait_for(self._ranks, call_id, time.monotonic() + timeout, live=live)
         except KeyboardInterrupt:
-            still = [rk.rank for rk in self._ranks if rk.rank not in replies and rk.rank not in died]
+            still = [rk.rank for rk in self._ranks if rk.alive()]
             stacks = self._stacks(still)
             self._stop("was interrupted")
-            msg = "zeronb: call interrupted; the ranks were stopped and restart on the next call."
-            if stacks:
-                msg += "\n" + "\n".join(f"--- rank {r} was here (most recent call last) ---\n{s}"
-                                        for r, s in stacks.items())
-            print(msg, file=sys.stderr, flush=True)
+            print("zeronb: call interrupted; the ranks were stopped and restart on the next call."
+                  + "".join(f"\n--- rank {r} was here (most recent call last) ---\n{s}" for r, s in stacks.items()),
+                  file=sys.stderr, flush=True)
             raise
-
-        seconds = time.perf_counter() - t0 if t0 else 0.0
-        stdout, stderr = self._split_output(marker)
         if starting:
-            if died or len(replies) < n:
-                self._raise_start_failure([rk for rk in self._ranks if rk.rank in died] or self._ranks)
-            for r, (_, _, info) in replies.items():
-                if info is not None:
-                    self._ranks[r].info = info
-            return None
-
-        if echo and not live:
-            _print_grouped(stdout, stderr)
-
-        still = [rk.rank for rk in self._ranks if rk.rank not in replies and rk.rank not in died]
-        if not died and not still:
-            self._restore_group(sorted(r for r, rep in replies.items() if not rep[3]))
-        errors = {r: rep for r, rep in replies.items() if rep[0] != "ok"}
-        if not errors and not died and not still:
-            values = [cloudpickle.loads(replies[r][2]) for r in range(n)]
-            return RankResults(values, stdout, stderr, seconds)
-
-        unpicklable = {r: rep[2] for r, rep in errors.items() if rep[0] == "unpicklable"}
-        if unpicklable and len(unpicklable) == len(errors) and not died and not still:
-            ranks = ", ".join(map(str, sorted(unpicklable)))
-            r0 = min(unpicklable)
-            raise TypeError(f"rank(s) {ranks} returned a value that cannot be sent back to the notebook "
-                            f"({unpicklable[r0]}). Return plain data instead: numbers, lists, dicts, "
-                            "tensors (use .item(), .tolist() or .detach()).")
-
-        stacks = self._stacks(still)
-        orphaned = {r for r in died if self._ranks[r].proc.orphaned}  # the helper died, and they with it
-        if still or died:  # the group is broken: a rank is gone, or stuck waiting for one
-            self._stop("failed" if errors or died else "timed out")
-        raise call_failure(errors, died, still, stacks, orphaned, timeout, stdout, stderr)
+            if not out.complete or out.errors:
+                raise launch.start_failure([rk for rk in self._ranks if rk.rank in out.died] or self._ranks)
+            for r, reply in out.replies.items():
+                if reply.value is not None:
+                    self._ranks[r].info = reply.value
+        return out
 
     def _restore_group(self, lost: list) -> None:
         """After a call that destroyed the process group on some ranks (`dist.destroy_process_group()`,
@@ -491,12 +321,8 @@ class Cluster:
         if not lost:
             return
         self._generation += 1
-        self._call_id += 1
-        msg = pickle.dumps(("regroup", self._call_id, self._generation))
         try:
-            for rk in self._ranks:
-                rk.conn.send_bytes(msg)
-            self._wait(self._call_id, time.monotonic() + START_TIMEOUT, starting=True)
+            self._await(self._send("regroup", self._generation), START_TIMEOUT, starting=True)
         except Exception as e:
             self._stop("destroyed the process group")
             self._say(f"rank(s) {join_ranks(lost)} destroyed the process group and a new one could not be made "
@@ -505,68 +331,20 @@ class Cluster:
         self._say(f"rank(s) {join_ranks(lost)} destroyed the process group (dist.destroy_process_group()); "
                   "every rank joined a new one, so later calls work as before (per-rank state is kept)")
 
-    def _split_output(self, marker: bytes):
-        stdout, stderr = [], []
-        for rk in self._ranks:
-            texts = []
-            for stream in (1, 2):
-                data = rk.buf[stream]
-                cut = data.find(marker)
-                mine, rest = (data[:cut], data[cut + len(marker):]) if cut >= 0 else (data, b"")
-                rk.buf[stream] = rest
-                texts.append(_strip_markers(mine).decode(errors="replace"))
-            stdout.append(texts[0])
-            stderr.append(texts[1])
-        return stdout, stderr
-
     def _stacks(self, ranks) -> dict[int, str]:
-        """Where each of `ranks` is right now: faulthandler dumps its threads on SIGUSR1 (this works
-        even when the rank is blocked inside C++ code, such as a gloo recv)."""
-        alive = [self._ranks[r] for r in ranks if self._ranks[r].proc.poll() is None]
+        """Where each of `ranks` is right now (usually ~0.1 s; on a loaded machine a rank may wait
+        over a second to be scheduled and run its handler)."""
+        alive = [self._ranks[r] for r in ranks if self._ranks[r].alive()]
         for rk in alive:
-            open(rk.stack_file, "w").close()
-            try:
-                os.kill(rk.proc.pid, signal.SIGUSR1)
-            except ProcessLookupError:
-                pass
+            rk.request_stack()
         dumps: dict[int, str] = {}
-        # Usually ~0.1 s; on a loaded machine a rank may wait over a second to be scheduled and run
-        # its handler. The wait ends as soon as every dump is in.
         deadline = time.monotonic() + 3.0
         while len(dumps) < len(alive) and time.monotonic() < deadline:
             time.sleep(0.02)
             for rk in alive:
-                if rk.rank in dumps:
-                    continue
-                text = open(rk.stack_file).read()
-                # a complete dump ends with the main thread's frames, then a blank line or EOF
-                if re.search(r'_worker\.py", line \d+ in main$', text, re.M):
-                    time.sleep(0.02)
-                    dumps[rk.rank] = open(rk.stack_file).read()
+                if rk.rank not in dumps and (dump := rk.read_stack()) is not None:
+                    dumps[rk.rank] = dump
         return {r: format_stack_dump(d) for r, d in dumps.items()}
-
-
-def _strip_markers(data: bytes) -> bytes:
-    return re.sub(rb"\x1ezeronb-end:-?\d+\x1e\n", b"", data)
-
-
-def _print_grouped(stdout, stderr) -> None:
-    """Each rank's output in rank order, each line prefixed by its rank: deterministic, so a
-    notebook shows the same output every run (and nbval can compare it)."""
-    for r, text in enumerate(stdout):
-        for line in text.splitlines():
-            print(f"[rank {r}] {line}")
-    sys.stdout.flush()
-    for r, text in enumerate(stderr):
-        for line in text.splitlines():
-            print(f"[rank {r}] {line}", file=sys.stderr)
-    sys.stderr.flush()
-
-
-def _rmtree(path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------

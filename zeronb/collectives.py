@@ -36,48 +36,54 @@ import torch.distributed as dist
 
 from . import ledger
 from .backend import backend_for
+from .compat import all_gather_single
 from .shards import bounds, chunk_size, padded_numel, shard_numel
 
 SEGMENT_BYTES = 2 << 20  # pipeline granularity: small enough to overlap, big enough to amortise a send
                          # (python -m zeronb.bench collectives --segment-bytes ... to try others)
 
 
-def _world() -> tuple[int, int]:
+def _world(group=None) -> tuple[int, int]:
+    """(this rank's place, the number of ranks) in `group` (None: every rank)."""
     if not dist.is_initialized():
         raise RuntimeError("no process group: call this inside a rank (zeronb.run, %%ranks, or torchrun)")
-    return dist.get_rank(), dist.get_world_size()
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _check_same(numel: int, dtype: torch.dtype, device, what: str) -> None:
+def _peer(group, group_rank: int) -> int:
+    """The global rank of the rank at `group_rank` in `group`: what send and receive address."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def _check_same(numel: int, dtype: torch.dtype, device, what: str, group=None) -> None:
     """Every rank must pass the same size and dtype, or a ring would hang waiting for bytes that
     never come. Every rank learns the smallest and largest (numel, dtype) over all ranks, so that
     *every* rank sees a mismatch and raises (and the group stays usable)."""
-    rank, n = _world()
+    rank, n = _world(group)
     code = list(_DTYPES).index(dtype) if dtype in _DTYPES else -1
     mine = torch.tensor([numel, code], dtype=torch.int64, device=device)
     with ledger.muted():  # bookkeeping, not part of the algorithm's traffic
-        top = _max_over_ranks(torch.cat([mine, -mine]))  # the largest values, and minus the smallest
+        top = _max_over_ranks(torch.cat([mine, -mine]), group)  # the largest values, and minus the smallest
         if torch.equal(top[:2], -top[2:]):
             return
-        from .backend import all_gather_single  # a mismatch: collect every rank's, to say who differs
-        everyone = torch.empty(2 * n, dtype=torch.int64, device=device)
-        all_gather_single(everyone, mine)
+        everyone = torch.empty(2 * n, dtype=torch.int64, device=device)  # a mismatch: say who differs
+        all_gather_single(everyone, mine, group=group)
     listing = ", ".join(f"rank {r}: {p[0]} x {_DTYPES[p[1]] if p[1] >= 0 else '?'}"
                         for r, p in enumerate(everyone.view(n, 2).tolist()))
     raise ValueError(f"{what}: every rank must pass the same number of elements and dtype; got {listing}")
 
 
-def _max_over_ranks(values: torch.Tensor) -> torch.Tensor:
+def _max_over_ranks(values: torch.Tensor, group=None) -> torch.Tensor:
     """Element-wise max over all ranks of a few numbers, by recursive doubling: in round j every rank
     sends what it knows to rank r + 2^j and keeps the max with what rank r - 2^j sent, so after
     ceil(log2 N) rounds each has heard from all. A check on every call must be cheap: this is
     ~1 ms on 4 ranks here, against ~3.5 ms for a tiny all_gather (gloo)."""
-    rank, n = _world()
+    rank, n = _world(group)
     hop = 1
     while hop < n:
         heard = torch.empty_like(values)
-        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, values, (rank + hop) % n),
-                                            dist.P2POp(dist.irecv, heard, (rank - hop) % n)]):
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, values, _peer(group, (rank + hop) % n), group),
+                                            dist.P2POp(dist.irecv, heard, _peer(group, (rank - hop) % n), group)]):
             work.wait()
         values = torch.maximum(values, heard)
         hop *= 2
@@ -122,7 +128,7 @@ class _Step(NamedTuple):
     divide: int = 0
 
 
-def _reduce_scatter_steps(src, dst, scratch, acc, out_shard, average):
+def _reduce_scatter_steps(rank, n, src, dst, scratch, acc, out_shard, average):
     """The N-1 steps of a ring reduce-scatter: rank r sends chunk (r-s-1) and receives chunk (r-s-2)
     at step s, adding its own copy of that chunk to what arrived, and ends with chunk r complete.
 
@@ -130,7 +136,6 @@ def _reduce_scatter_steps(src, dst, scratch, acc, out_shard, average):
     in, used in turn (so step s+1's receive can be posted while step s's is still being added).
     In place (dst is src): the sums overwrite the input. Out of place: they go to the two `acc`
     buffers in turn, and the last one to `out_shard` - no copy of the whole input is ever made."""
-    rank, n = _world()
     steps = []
     for s in range(n - 1):
         send_c, recv_c = (rank - s - 1) % n, (rank - s - 2) % n
@@ -145,10 +150,9 @@ def _reduce_scatter_steps(src, dst, scratch, acc, out_shard, average):
     return steps
 
 
-def _all_gather_steps(chunks):
+def _all_gather_steps(rank, n, chunks):
     """The N-1 steps of a ring all-gather: rank r sends chunk (r-s) - its own first, then each one it
     has just received - and stores chunk (r-s-1) at step s."""
-    rank, n = _world()
     return [_Step("all-gather", chunks[(rank - s) % n], chunks[(rank - s - 1) % n], (rank - s) % n,
                   (rank - s - 1) % n) for s in range(n - 1)]
 
@@ -164,7 +168,7 @@ def _receives_ahead(tensor: torch.Tensor) -> int:
     return 2 if backend_for(tensor) == "gloo" else 1
 
 
-def _run_ring(steps, op: str, segment_bytes: int) -> None:
+def _run_ring(steps, op: str, segment_bytes: int, group=None) -> None:
     """Run the steps as a pipeline: each chunk is cut into segments, and a segment is forwarded
     (step i+1's send) as soon as it has arrived and been added (step i), while later segments are
     still on the wire. Receives are posted `_receives_ahead(...)` steps early.
@@ -177,8 +181,9 @@ def _run_ring(steps, op: str, segment_bytes: int) -> None:
     it has received every byte of that send.)"""
     if not steps or steps[0].recv.numel() == 0:
         return
-    rank, n = _world()
-    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    rank, n = _world(group)
+    nxt, prv = _peer(group, (rank + 1) % n), _peer(group, (rank - 1) % n)  # (global ranks)
+    me = _peer(group, rank)
     segments = _segments(steps[0].recv.numel(), steps[0].recv.element_size(), segment_bytes)
     ahead = _receives_ahead(steps[0].recv)
     trace = ledger.recording()
@@ -191,9 +196,9 @@ def _run_ring(steps, op: str, segment_bytes: int) -> None:
         if send_step is not None:
             if trace and send_step not in started:
                 started[send_step] = ledger.now(steps[send_step].send.device)
-            ops.append(dist.P2POp(dist.isend, steps[send_step].send[a:b], nxt))
+            ops.append(dist.P2POp(dist.isend, steps[send_step].send[a:b], nxt, group))
         if recv_step is not None:
-            ops.append(dist.P2POp(dist.irecv, steps[recv_step].recv[a:b], prv))
+            ops.append(dist.P2POp(dist.irecv, steps[recv_step].recv[a:b], prv, group))
         works = dist.batch_isend_irecv(ops)
         if send_step is not None:
             sends[send_step, k] = works[0]
@@ -227,8 +232,8 @@ def _run_ring(steps, op: str, segment_bytes: int) -> None:
             in_phase = sum(1 for earlier in steps[:i] if earlier.phase == step.phase)  # steps restart per phase
             nbytes, end = step.recv.numel() * step.recv.element_size(), ledger.now(step.recv.device)
             common = dict(op=op, phase=step.phase, step=in_phase, bytes=nbytes, start=started[i], end=end)
-            ledger.record(kind="send", src=rank, dst=nxt, chunk=step.send_chunk, **common)
-            ledger.record(kind="recv", src=prv, dst=rank, chunk=step.recv_chunk, **common)
+            ledger.record(kind="send", src=me, dst=nxt, chunk=step.send_chunk, **common)
+            ledger.record(kind="recv", src=prv, dst=me, chunk=step.recv_chunk, **common)
     for work in sends.values():
         work.wait()
 
@@ -249,56 +254,61 @@ def _check_float(tensor: torch.Tensor, what: str, average: bool) -> None:
         raise TypeError(f"{what}(average=True) needs a floating-point tensor, not {tensor.dtype}")
 
 
-def ring_reduce_scatter(tensor: torch.Tensor, *, average: bool = False,
+def ring_reduce_scatter(tensor: torch.Tensor, *, average: bool = False, group=None,
                         segment_bytes: int = SEGMENT_BYTES) -> torch.Tensor:
-    """This rank's shard (zeronb.shards.bounds) of the element-wise sum over all ranks of `tensor`
-    (of any shape, read flat). `average=True` divides by the world size. `tensor` is not changed."""
+    """This rank's shard (zeronb.shards.bounds) of the element-wise sum over the ranks of `group`
+    (None: all ranks) of `tensor` (of any shape, read flat). `average=True` divides by the number
+    of ranks. `tensor` is not changed."""
     _check_float(tensor, "ring_reduce_scatter", average)
-    rank, n = _world()
-    _check_same(tensor.numel(), tensor.dtype, tensor.device, "ring_reduce_scatter")
+    rank, n = _world(group)
+    _check_same(tensor.numel(), tensor.dtype, tensor.device, "ring_reduce_scatter", group)
     src = _flat_chunks(tensor, n, writable=False)
     shard = src[rank].clone()  # world size 1: the sum of one tensor is itself
     if n > 1:
         scratch, acc = _scratch(4, src.shape[1], src).split(2)
         with ledger.scope("ring_reduce_scatter"):
-            _run_ring(_reduce_scatter_steps(src, None, scratch, acc, shard, average),
-                      "ring_reduce_scatter", segment_bytes)
+            _run_ring(_reduce_scatter_steps(rank, n, src, None, scratch, acc, shard, average),
+                      "ring_reduce_scatter", segment_bytes, group)
     start, stop = bounds(tensor.numel(), n, rank)
     return shard[:stop - start]
 
 
-def ring_all_gather(shard: torch.Tensor, numel: int, *, segment_bytes: int = SEGMENT_BYTES) -> torch.Tensor:
-    """The full flat tensor of `numel` elements, from every rank's shard (zeronb.shards.bounds)."""
-    rank, n = _world()
+def ring_all_gather(shard: torch.Tensor, numel: int, *, group=None,
+                    segment_bytes: int = SEGMENT_BYTES) -> torch.Tensor:
+    """The full flat tensor of `numel` elements, from the shards (zeronb.shards.bounds) of every
+    rank of `group` (None: all ranks)."""
+    rank, n = _world(group)
     want = shard_numel(numel, n, rank)
     if shard.numel() != want:
         raise ValueError(f"ring_all_gather on rank {rank}: a tensor of {numel} elements over {n} ranks gives "
                          f"rank {rank} a shard of {want} elements (zeronb.shards.bounds), not {shard.numel()}")
-    _check_same(numel, shard.dtype, shard.device, "ring_all_gather")
+    _check_same(numel, shard.dtype, shard.device, "ring_all_gather", group)
     c = chunk_size(numel, n)
     chunks = torch.empty(n, c, dtype=shard.dtype, device=shard.device)  # every chunk gets written
     chunks[rank, :want] = shard.reshape(-1)
     chunks[rank, want:] = 0  # this rank's padding (the others' arrives with their chunks)
     with ledger.scope("ring_all_gather"):
-        _run_ring(_all_gather_steps(chunks), "ring_all_gather", segment_bytes)
+        _run_ring(_all_gather_steps(rank, n, chunks), "ring_all_gather", segment_bytes, group)
     return chunks.view(-1)[:numel]
 
 
-def ring_all_reduce(tensor: torch.Tensor, *, average: bool = False,
+def ring_all_reduce(tensor: torch.Tensor, *, average: bool = False, group=None,
                     segment_bytes: int = SEGMENT_BYTES) -> torch.Tensor:
-    """In place: `tensor` becomes the element-wise sum (or average) over all ranks. Returns it.
+    """In place: `tensor` becomes the element-wise sum (or average) over the ranks of `group`
+    (None: all ranks). Returns it.
     A reduce-scatter then an all-gather, run as one pipeline: a segment of this rank's chunk sets
     off on the all-gather as soon as its sum is complete."""
     _check_float(tensor, "ring_all_reduce", average)
-    rank, n = _world()
-    _check_same(tensor.numel(), tensor.dtype, tensor.device, "ring_all_reduce")
+    rank, n = _world(group)
+    _check_same(tensor.numel(), tensor.dtype, tensor.device, "ring_all_reduce", group)
     if n == 1 or tensor.numel() == 0:
         return tensor
     chunks = _flat_chunks(tensor, n, writable=True)
     scratch = _scratch(2, chunks.shape[1], chunks)
     with ledger.scope("ring_all_reduce"):
-        steps = _reduce_scatter_steps(chunks, chunks, scratch, None, None, average) + _all_gather_steps(chunks)
-        _run_ring(steps, "ring_all_reduce", segment_bytes)
+        steps = (_reduce_scatter_steps(rank, n, chunks, chunks, scratch, None, None, average)
+                 + _all_gather_steps(rank, n, chunks))
+        _run_ring(steps, "ring_all_reduce", segment_bytes, group)
     if chunks.data_ptr() != tensor.data_ptr():  # worked on a padded copy
         tensor.copy_(chunks.view(-1)[:tensor.numel()].view_as(tensor))
     return tensor

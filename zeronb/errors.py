@@ -12,6 +12,8 @@ import os
 import re
 import signal
 
+from .messages import WORKER_LOOP_FRAME
+
 
 class RankError(RuntimeError):
     """One or more ranks failed during a call. The message has each failed rank's traceback and the
@@ -94,7 +96,7 @@ def format_stack_dump(dump: str) -> str:
     """Turn faulthandler's dump of a rank into a traceback-style stack of its main thread, starting
     at the user's code (the frames of zeronb's own worker loop are dropped)."""
     threads = [t for t in re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump.strip()) if t.strip()]
-    main = next((t for t in threads if re.search(r'_worker\.py", line \d+ in main$', t, re.M)),
+    main = next((t for t in threads if WORKER_LOOP_FRAME.search(t)),
                 threads[-1] if threads else "")
     frames = []
     for line in main.splitlines()[1:]:
@@ -135,12 +137,12 @@ def shorten(text: str, n: int = 160) -> str:
 
 def call_failure(errors: dict, died: dict, still: list, stacks: dict, orphaned: set, timeout: float,
                  stdout: list, stderr: list) -> RankError:
-    """The exception for a call that failed: `errors` maps a rank to its error reply, `died` to its
+    """The exception for a call that failed: `errors` maps a rank to its error Reply, `died` to its
     exit status, `still` lists the ranks that were still running (their `stacks` show where)."""
     tracebacks = {}
     for r, rep in sorted(errors.items()):
-        tracebacks[r] = (_format_chain(rep[2]) if rep[0] == "error" else
-                         f"TypeError: returned a value that cannot be sent back to the notebook ({rep[2]})")
+        tracebacks[r] = (_format_chain(rep.value) if rep.status == "error" else
+                         f"TypeError: returned a value that cannot be sent back to the notebook ({rep.value})")
     for r, code in sorted(died.items()):
         err = stderr[r].strip()
         tracebacks[r] = f"the rank process {signal_name(code)}" + (

@@ -1,0 +1,63 @@
+"""The torch-version shims: the one place that looks at what the installed torch provides.
+
+zeronb supports torch >= 2.4 (GPU boxes often have an older torch than the CPU build CI uses).
+Everything that moved or was renamed between versions is looked up here, once; the rest of zeronb,
+the notebooks and the tests call these names. This module imports nothing from zeronb.
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+# torch 2.13 added all_gather_single / reduce_scatter_single and deprecated the *_tensor names
+# (a FutureWarning); 2.11 and 2.12 have only the old names.
+if hasattr(dist, "all_gather_single"):
+    def all_gather_single(output, input, group=None, async_op=False):
+        """All-gather into one flat tensor (`output` holds every rank's `input`, in rank order)."""
+        return dist.all_gather_single(output, input, group=group, async_op=async_op)
+
+    def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        """Reduce-scatter one flat tensor (`output` is this rank's chunk of the sum)."""
+        return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+else:
+    def all_gather_single(output, input, group=None, async_op=False):
+        """All-gather into one flat tensor (`output` holds every rank's `input`, in rank order)."""
+        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+    def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        """Reduce-scatter one flat tensor (`output` is this rank's chunk of the sum)."""
+        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+
+
+def backend_config(group=None) -> str:
+    """The group's backends as a string: "gloo", or "cpu:gloo,cuda:nccl" for a group with one
+    backend per device type (get_backend_config from torch 2.1; get_backend before)."""
+    if hasattr(dist, "get_backend_config"):
+        return str(dist.get_backend_config(group))
+    return str(dist.get_backend(group))
+
+
+def fully_shard():
+    """PyTorch FSDP2's `fully_shard` (torch.distributed.fsdp from 2.6; the _composable path before)."""
+    try:
+        from torch.distributed.fsdp import fully_shard as fn
+    except ImportError:
+        from torch.distributed._composable.fsdp import fully_shard as fn
+    return fn
+
+
+def mixed_precision_policy():
+    """FSDP2's `MixedPrecisionPolicy` (torch.distributed.fsdp from 2.6; the _composable path before)."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy as cls
+    except ImportError:
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy as cls
+    return cls
+
+
+def dtensor():
+    """(DTensor, Shard, Replicate): torch.distributed.tensor from 2.5; torch.distributed._tensor before."""
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+    except ImportError:
+        from torch.distributed._tensor import DTensor, Replicate, Shard
+    return DTensor, Shard, Replicate
