@@ -12,8 +12,9 @@ bytes of optimizer state per parameter, which depends on the optimizer as well a
                                     + one tensor per state the optimizer keeps:
                                       Adam 2 (momentum, variance), SGD with momentum 1, plain SGD 0
 
-so Adam gives the K of `zeronb.memory.PRECISIONS` (12 in bf16-mixed, 8 in float32, 16 in float64),
-SGD with momentum 4 + 4 = 8 in bf16-mixed and 4 in float32, plain SGD 4 in bf16-mixed and 0 otherwise.
+(zeronb.precision, the one place for these facts): Adam's K is 12 in bf16-mixed, 8 in float32, 16
+in float64; SGD with momentum 4 + 4 = 8 in bf16-mixed and 4 in float32; plain SGD 4 in bf16-mixed
+and 0 otherwise.
 
 The widget needs a live Jupyter kernel to respond; in the static HTML book it shows the state it was
 saved with.
@@ -25,14 +26,9 @@ import math
 import re
 
 from . import memory
+from .precision import OPTIMIZER_STATES, PRECISIONS, precision as _precision
 
-OPTIMIZERS = {
-    # name -> (label, how many per-parameter state tensors it keeps besides a master copy)
-    "adam": ("Adam", 2),                          # momentum (exp_avg) and variance (exp_avg_sq)
-    "sgd-momentum": ("SGD with momentum", 1),     # momentum_buffer
-    "sgd": ("SGD", 0),                            # nothing: p -= lr * grad
-}
-MASTER_BYTES = {"bf16-mixed": 4}  # the fp32 copy of the parameters that a mixed-precision optimizer updates
+OPTIMIZERS = {"adam": "Adam", "sgd-momentum": "SGD with momentum", "sgd": "SGD"}  # name -> label
 STAGE_NAMES = {0: "DDP (stage 0)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 ROLES = ("params", "grads", "optimizer")
 MAX_WORLD_SIZE = 4096  # the widget's limit; calculate() takes any number of ranks
@@ -59,15 +55,10 @@ def parse_num_params(value) -> float:
 def bytes_per_param(precision: str, optimizer: str = "adam") -> dict:
     """{"params", "grads", "optimizer"}: bytes per parameter in each role, before any sharding.
     The "optimizer" entry is K."""
-    if precision not in memory.PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(map(repr, memory.PRECISIONS))}, not {precision!r}")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {', '.join(map(repr, OPTIMIZERS))}, not {optimizer!r}")
-    param_bytes, grad_bytes, adam_k = memory.PRECISIONS[precision]
-    master = MASTER_BYTES.get(precision, 0)
-    state = (adam_k - master) / 2  # bytes of one optimizer state tensor per parameter: Adam keeps two
-    k = master + OPTIMIZERS[optimizer][1] * state
-    return {"params": param_bytes, "grads": grad_bytes, "optimizer": int(k) if k == int(k) else k}
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer must be one of {', '.join(map(repr, OPTIMIZER_STATES))}, not {optimizer!r}")
+    p, g, k = _precision(precision).bytes_per_parameter(optimizer)
+    return {"params": p, "grads": g, "optimizer": k}
 
 
 def _check_int(name, value, lo, hi=None):
@@ -129,7 +120,7 @@ def _times(x: float) -> str:
 def describe(result: dict) -> str:
     """One line: what one device holds in this configuration, and how that compares with DDP."""
     per, n = result["bytes_per_param"], result["world_size"]
-    label = OPTIMIZERS[result["optimizer"]][0]
+    label = OPTIMIZERS[result["optimizer"]]
     parts = " + ".join(f"{r} {format_bytes(result['bytes'][r])}" for r in ROLES)
     if result["stage"] == 0:
         versus = "every rank holds all of it"
@@ -174,7 +165,7 @@ def draw(ax, result: dict) -> None:
     ax.set_ylabel(f"model states per device ({unit})")
     ax.set_ylim(0, ax.get_ylim()[1] * 1.1)  # room for the labels on top
     ax.set_title(f"{format_count(result['num_params'])} parameters, N = {result['world_size']} ranks, "
-                 f"{result['precision']} {OPTIMIZERS[result['optimizer']][0]}", fontsize=10)
+                 f"{result['precision']} {OPTIMIZERS[result['optimizer']]}", fontsize=10)
     handles = [Patch(color=COLORS[r], label=r) for r in reversed(ROLES)]  # top of the stack first
     ax.legend(handles=handles, title="role", fontsize=8, title_fontsize=8, loc="upper left",
               bbox_to_anchor=(1.01, 1.0))
@@ -222,9 +213,9 @@ def memory_calculator(num_params="7.5B", world_size: int = 64, stage: int = 3, p
                                              style=style, layout=layout),
         "stage": widgets.ToggleButtons(options=[(STAGE_NAMES[s].split(" ")[0], s) for s in range(4)], value=stage,
                                        description="ZeRO stage", style={**style, "button_width": "70px"}),
-        "precision": widgets.Dropdown(options=list(memory.PRECISIONS), value=precision, description="precision",
+        "precision": widgets.Dropdown(options=list(PRECISIONS), value=precision, description="precision",
                                       style=style, layout=layout),
-        "optimizer": widgets.Dropdown(options=[(label, key) for key, (label, _) in OPTIMIZERS.items()],
+        "optimizer": widgets.Dropdown(options=[(label, key) for key, label in OPTIMIZERS.items()],
                                       value=optimizer, description="optimizer", style=style, layout=layout),
     }
     text = widgets.HTML()

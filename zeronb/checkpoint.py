@@ -1,13 +1,15 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP): every rank writes only what it
 holds, and a run resumes on any number of ranks.
 
-zeronb's stages keep parameters and Adam's state in flat buckets, rank r holding chunk r of each
-(zeronb.shards: torch.chunk's rule). Without its padding, that chunk is exactly what a DTensor with
-placement Shard(0) over a 1-D mesh of the ranks holds. So a checkpoint presents each bucket's
-parameters, Adam's two moments (and, in bf16-mixed, the fp32 master copy) as 1-D DTensors of the
-bucket's real length. DCP writes each rank's piece with its offset; on load, each rank reads the
-pieces that overlap the chunk it holds *now*, whatever the number of ranks that wrote them. What
-every rank holds whole (DDP's buckets, Adam's step count) is saved as plain tensors, written once.
+zeronb's stages keep parameters and the optimizer's state in flat buckets, rank r holding chunk r
+of each (zeronb.shards: torch.chunk's rule). Without its padding, that chunk is exactly what a
+DTensor with placement Shard(0) over a 1-D mesh of the ranks holds. So a checkpoint presents each
+bucket's parameters, Adam's two moments (plain SGD has none) and, in bf16-mixed, the fp32 master
+copy as 1-D DTensors of the bucket's real length. DCP writes each rank's piece with its offset; on
+load, each rank reads the pieces that overlap the chunk it holds *now*, whatever the number of
+ranks that wrote them. What every rank holds whole (DDP's buckets, Adam's step count) is saved as
+plain tensors, written once. Each stage says what it saves (Stage.checkpoint_state); this module
+only saves, loads, checks and exports.
 
 PyTorch's counterparts go through torch.distributed.checkpoint.state_dict (FSDP2's parameters are
 DTensors already). ZeroRedundancyOptimizer keeps each parameter's Adam state on the one rank that
@@ -31,87 +33,62 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from . import shards
-from .backend import sharded_1d
+from .compat import dtensor
 
 INFO = "zeronb.json"
-STRUCTURE = ("stage", "impl", "model", "dtype")  # what a resume must share with the saved run
+STRUCTURE = ("stage", "impl", "model", "dtype", "optimizer")  # what a resume must share with the saved run
 
 
-# --- what each kind of run puts in the checkpoint ----------------------------------------------------
+# --- zeronb's stages: flat buckets as 1-D DTensors ------------------------------------------------
 
-def _engine_state(engine) -> dict:
-    """{key: tensor} over zeronb's flat buckets; the tensors are the engine's own (views of its
-    shards and Adam's state), so that dcp.load writes straight into them."""
+def flat_state(stage) -> dict:
+    """{key: tensor} over a zeronb stage's flat buckets; the tensors are the stage's own (views of
+    its shards and of the optimizer's state), so that dcp.load writes straight into them."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
     from .backend import device
-    from torch.distributed.device_mesh import init_device_mesh
 
-    adam, n, rank = engine.adam, dist.get_world_size(), dist.get_rank()
-    adam.init_state()  # (a no-op after the first step; before it, what loading writes into)
-    mesh = init_device_mesh(device().type, (n,)) if adam.sharded else None
+    if stage.replica_group is not None:
+        raise ValueError("a checkpoint of a stage with a replica group (HSDP) is not supported; save from a "
+                         "run sharded over all of its ranks")
+    opt, n, rank = stage.optimizer, stage.shards, stage.rank
+    opt.init_state()  # (a no-op after the first step; before it, what loading writes into)
+    mesh = None
+    if stage.sharded:
+        group = stage.shard_group
+        mesh = init_device_mesh(device().type, (n,)) if group is None else DeviceMesh.from_group(group, device().type)
+    DTensor, Shard, _ = dtensor()
     state = {}
-    for bucket, shard, master in zip(engine.flat_buckets(), adam.shards, adam.master):
-        adam_state = adam.optimizer.state[master]
-        kinds = {"params": shard, "exp_avg": adam_state["exp_avg"], "exp_avg_sq": adam_state["exp_avg_sq"]}
-        if adam.mixed:
-            kinds["master"] = master
+    for i, (bucket, shard) in enumerate(zip(stage.buckets, opt.shards)):
+        per_element = {k: v for k, v in opt.state_of(i).items() if k != "step"}  # Adam's moments; SGD: none
+        kinds = {"params": shard, **per_element, **({"master": opt.master[i]} if opt.mixed else {})}
         for kind, t in kinds.items():
-            if adam.sharded:  # this rank's chunk, less its padding: torch.chunk's piece of the bucket
-                state[f"{bucket.name}.{kind}"] = sharded_1d(t[:shards.shard_numel(bucket.numel, n, rank)],
-                                                            bucket.numel, mesh)
+            if stage.sharded:  # this rank's chunk, less its padding: torch.chunk's piece of the bucket
+                local = t[:shards.shard_numel(bucket.numel, n, rank)]
+                state[f"{bucket.name}.{kind}"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                                                    shape=(bucket.numel,), stride=(1,))
             else:  # the whole bucket, the same on every rank
                 state[f"{bucket.name}.{kind}"] = t[:bucket.numel]
-        state["adam.step"] = adam_state["step"]  # every bucket's: the same count
+        if "step" in opt.state_of(i):
+            state["optimizer.step"] = opt.state_of(i)["step"]  # every bucket's: the same count
     return state
 
 
-def _engine_layout(engine) -> dict:
-    return {b.name: [[engine.names[p], list(p.shape)] for p in b.params] for b in engine.flat_buckets()}
-
-
-def _torch_state(stage) -> dict:
-    """PyTorch's counterparts: the model's and optimizer's state dicts, as DCP expects them."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    if stage.stage != 1:
-        return {"model": get_model_state_dict(stage.model),
-                "optim": get_optimizer_state_dict(stage.model, stage.optimizer)}
-    # ZeroRedundancyOptimizer: its local Adam holds the state of the parameters this rank owns
-    from .zero.common import init_adam_state
-
-    local = stage.optimizer.optim
-    init_adam_state(local)
-    names = {p: n for n, p in stage.model.named_parameters()}
-    owned = {f"optim.{names[p]}.{k}": v for group in local.param_groups for p in group["params"]
-             for k, v in local.state[p].items()}
-    return {"model": get_model_state_dict(stage.model), **owned}
-
-
-def _state(engine) -> dict:
-    return _torch_state(engine) if hasattr(engine, "wrapped") else _engine_state(engine)
-
-
-def _after_load(engine, state) -> None:
-    if not hasattr(engine, "wrapped"):
-        for master in engine.adam.master:  # one count for all, as saved
-            engine.adam.optimizer.state[master]["step"].copy_(state["adam.step"])
-        engine.after_load()
-        return
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-    set_model_state_dict(engine.model, state["model"])
-    if engine.stage != 1:
-        set_optimizer_state_dict(engine.model, engine.optimizer, state["optim"])
-    # (ZeroRedundancyOptimizer's states were loaded in place, into its local Adam)
+def after_flat_load(stage, state: dict) -> None:
+    """What dcp.load could not write in place: the step count, into every shard's state."""
+    if "optimizer.step" in state:
+        for i in range(len(stage.optimizer.shards)):
+            stage.optimizer.state_of(i)["step"].copy_(state["optimizer.step"])
 
 
 # --- save, load, read, export ---------------------------------------------------------------------------
 
-def save(engine, directory: str, info: dict) -> None:
-    """Save `engine`'s parameters and optimizer state to `directory`, each rank its own part;
+def save(stage, directory: str, info: dict) -> None:
+    """Save a stage's parameters and optimizer state to `directory`, each rank its own part;
     rank 0 adds `info` (the run's settings, the steps taken) and the layout as zeronb.json."""
-    dcp.save(_state(engine), checkpoint_id=directory)
+    dcp.save(stage.checkpoint_state(), checkpoint_id=directory)
     if dist.get_rank() == 0:
-        layout = None if hasattr(engine, "wrapped") else _engine_layout(engine)
+        layout = stage.checkpoint_layout()
         with open(os.path.join(directory, INFO), "w") as f:
             json.dump({**info, "world_size": dist.get_world_size(), "buckets": layout}, f, indent=1)
     dist.barrier()  # zeronb.json is there before any rank goes on (and reads it, say)
@@ -129,18 +106,19 @@ def read_info(directory: str) -> dict:
 
 def check_compatible(info: dict, settings: dict) -> None:
     """Raise ValueError unless `settings` continue the run `info` describes."""
-    wrong = [f"{k} {settings[k]!r} (saved: {info[k]!r})" for k in STRUCTURE if settings[k] != info[k]]
+    wrong = [f"{k} {settings[k]!r} (saved: {info.get(k, 'adam')!r})" for k in STRUCTURE
+             if settings[k] != info.get(k, "adam")]  # (optimizer: older checkpoints are Adam's)
     if wrong:
         raise ValueError("this checkpoint is of another kind of run: " + ", ".join(wrong) + "; resume with the "
                          "saved settings (the number of ranks may differ)")
 
 
-def load(engine, directory: str) -> dict:
-    """Load a checkpoint written by `save` into `engine`, on any number of ranks; returns its info."""
+def load(stage, directory: str) -> dict:
+    """Load a checkpoint written by `save` into a stage, on any number of ranks; returns its info."""
     info = read_info(directory)
-    state = _state(engine)
+    state = stage.checkpoint_state()
     dcp.load(state, checkpoint_id=directory)
-    _after_load(engine, state)
+    stage.load_checkpoint_state(state)
     return info
 
 

@@ -36,6 +36,15 @@ def backend_config(group=None) -> str:
     return str(dist.get_backend(group))
 
 
+def group_size_of(boxed) -> int | None:
+    """The size of a process group as a c10d operator receives it (a ScriptObject): ProcessGroup.unbox
+    from torch 2.3; None where it cannot be read (not a process group, or an older torch)."""
+    try:
+        return dist.ProcessGroup.unbox(boxed).size()
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def fully_shard():
     """PyTorch FSDP2's `fully_shard` (torch.distributed.fsdp from 2.6; the _composable path before)."""
     try:

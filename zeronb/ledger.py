@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .compat import group_size_of
 from .shards import chunk_size
 
 _scope = contextvars.ContextVar("zeronb_ledger_scope", default=None)   # name of the op being built
@@ -58,12 +59,12 @@ def _first_tensor(tensors):
 
 
 def _group_size(args) -> int:
+    """The size of the process group a c10d operator runs in (it arrives boxed, as a ScriptObject)."""
     for a in args:
-        if not isinstance(a, (torch.Tensor, list, tuple)) and hasattr(a, "size") and callable(a.size):
-            try:
-                return int(a.size())
-            except Exception:
-                pass
+        if isinstance(a, torch.ScriptObject):
+            size = group_size_of(a)
+            if size is not None:
+                return size
     return dist.get_world_size()
 
 

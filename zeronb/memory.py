@@ -11,20 +11,14 @@ data-parallel rank. The ZeRO stages divide parts of it by the number of ranks N 
     stage 3         (2 + 2 + K) * psi / N                        + parameters
 
 Activations are not model states: they depend on the batch each rank processes, and ZeRO does not
-shard them (chapter 6 measures them separately).
+shard them (chapter 6 measures them separately). The bytes per parameter of each precision and
+optimizer are zeronb.precision's.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 
 import torch
-
-PRECISIONS = {
-    # dtype name -> (param bytes, grad bytes, optimizer bytes per parameter) for Adam
-    "bf16-mixed": (2, 2, 12),   # bf16 params and grads; fp32 master weights, momentum, variance
-    "float32": (4, 4, 8),       # fp32 params and grads; fp32 momentum and variance (no master copy)
-    "float64": (8, 8, 16),
-}
 
 
 def model_state_bytes(num_params: float, world_size: int, stage: int, param_bytes: float = 2,

@@ -130,6 +130,22 @@ class Config:
     seq_len: int = 16
 
 
+WRAPS = ("units", "whole", "layers")
+
+
+def choose_units(model: nn.Module, wrap: str = "units") -> list[nn.Module]:
+    """The modules ZeRO-3 and FSDP gather together ("wrapping"): the model's own choice
+    (`model.units()`: a layer or a block each), the whole model as one unit, or every module that
+    owns parameters (a Linear, a LayerNorm, an Embedding), in the order forward uses them."""
+    if wrap == "units":
+        return model.units()
+    if wrap == "whole":
+        return [model]
+    if wrap == "layers":
+        return [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+    raise ValueError(f"wrap must be one of {', '.join(WRAPS)}, not {wrap!r}")
+
+
 def checkpoint_activations(model: nn.Module) -> nn.Module:
     """Activation checkpointing, unit by unit: each unit saves only its input in forward, and
     recomputes what it needs from it in backward (torch.utils.checkpoint, non-reentrant). Less

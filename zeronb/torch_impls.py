@@ -1,13 +1,15 @@
-"""PyTorch's own counterparts of the stages, behind the same interface as zeronb.zero's engines,
-so that `python -m zeronb.train --impl torch` and the chapters can run them side by side.
+"""PyTorch's own counterparts of the stages, behind the same Stage interface as zeronb.zero's, so
+that `python -m zeronb.train --impl torch` and the chapters can run them side by side.
 
     stage 0: torch.nn.parallel.DistributedDataParallel
     stage 1: DDP + torch.distributed.optim.ZeroRedundancyOptimizer
     stage 2: FSDP2 fully_shard(reshard_after_forward=False)   (parameters stay gathered until backward)
     stage 3: FSDP2 fully_shard(reshard_after_forward=True)
+    with a replica group (HSDP): FSDP2 on a 2-D mesh, replicas on dimension 0, shards on dimension 1
 
 DDP all-reduces from C++, out of sight of zeronb.ledger; a communication hook that calls
-dist.all_reduce from Python (what DDP's default hook does: sum, then divide by N) makes it visible.
+dist.all_reduce from Python (what DDP's default hook does: divide by N, then all-reduce the sum)
+makes it visible.
 """
 from __future__ import annotations
 
@@ -15,92 +17,150 @@ import torch
 import torch.distributed as dist
 
 from . import memory
-from .backend import device, fully_shard, mixed_precision_policy
+from .backend import device
+from .compat import dtensor, fully_shard, mixed_precision_policy
+from .zero.stage import Stage
 
 
-def _allreduce_hook(reduce_dtype, bucket):
+def _allreduce_hook(state, bucket):
     """DDP's default communication (torch.distributed.algorithms.ddp_comm_hooks.default_hooks:
-    divide by N, all-reduce the sum), from Python so that the ledger counts it; in `reduce_dtype`
-    if one is given (the state DDP hands the hook), as its bf16_compress_hook does."""
+    divide by N, all-reduce the sum), from Python so that the ledger counts it; in the reduce dtype
+    of `state` (reduce_dtype, group) if one is given, as its bf16_compress_hook does."""
+    reduce_dtype, group = state
     buf = bucket.buffer()
-    send = buf.div_(dist.get_world_size()) if reduce_dtype in (None, buf.dtype) else \
-        buf.to(reduce_dtype).div_(dist.get_world_size())
-    work = dist.all_reduce(send, async_op=True).get_future()
+    n = dist.get_world_size(group)
+    send = buf.div_(n) if reduce_dtype in (None, buf.dtype) else buf.to(reduce_dtype).div_(n)
+    work = dist.all_reduce(send, group=group, async_op=True).get_future()
     return work.then(lambda fut: fut.value()[0] if send is buf else buf.copy_(fut.value()[0]))
 
 
-class TorchStage:
-    clip_norm = None  # torch.nn.utils.clip_grad_norm_ before each step (FSDP2's sharded grads too)
-    last_grad_norm = None
-    measure_memory = False
-    activation_bytes = None
+_meshes: dict = {}  # (world, device type, shape): a DeviceMesh costs process groups; made once
 
-    def __init__(self, model, stage: int, lr: float = 1e-3, sync_each_micro_batch: bool = True,
-                 reduce_dtype: torch.dtype | None = None):
-        self.stage, self.model = stage, model
-        self.sync_each_micro_batch = sync_each_micro_batch
-        dev = device()
+
+def _mesh(device_type: str, replicas: int, shards: int):
+    """A 1-D mesh of the shard ranks, or with replicas a 2-D one: (replicas, shards), shards
+    consecutive (zeronb.zero.sharding_groups' layout). FSDP2 replicates over dimension 0."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (shards,) if replicas == 1 else (replicas, shards)
+    k = (id(dist.group.WORLD), device_type, shape)
+    if k not in _meshes:  # (FSDP2 asks for names on a 2-D mesh; which dimension replicates is their order)
+        names = ("shard",) if replicas == 1 else ("replicate", "shard")
+        _meshes[k] = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return _meshes[k]
+
+
+class TorchStage(Stage):
+    def __init__(self, model, stage: int, config=None, observers=()):
+        super().__init__(model, config, observers)
+        self.stage, cfg, dev = stage, self.config, device()
+        optimizer_class = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.SGD
+        self._norm = None
         if stage in (0, 1):
             from torch.nn.parallel import DistributedDataParallel
 
-            ids = [dev.index] if dev.type == "cuda" else None
-            self.wrapped = DistributedDataParallel(model, device_ids=ids)
-            self.wrapped.register_comm_hook(reduce_dtype, _allreduce_hook)
+            group = None if self.replica_group is not None else self.shard_group  # every replica averages
+            self.wrapped = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                                                   process_group=group)
+            self.wrapped.register_comm_hook((cfg.reduce_dtype, group), _allreduce_hook)
             if stage == 0:
-                self.optimizer = torch.optim.Adam(model.parameters(), lr=lr, foreach=False)
+                self.optimizer = optimizer_class(model.parameters(), lr=cfg.lr, foreach=False)
             else:
                 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-                self.optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
-                                                         lr=lr, foreach=False)
+                self.optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class,
+                                                         process_group=self.shard_group, lr=cfg.lr, foreach=False)
         else:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
+            if self.shard_group is not None and self.replica_group is None:
+                raise ValueError("FSDP2 here shards over all ranks, or over groups of consecutive ranks with "
+                                 "replicas (zeronb.zero.sharding_groups)")
+            mesh = _mesh(dev.type, self.data_parallel // self.shards, self.shards)
             shard = fully_shard()
-            kw = {"mp_policy": mixed_precision_policy()(reduce_dtype=reduce_dtype)} if reduce_dtype else {}
+            kw = {"mp_policy": mixed_precision_policy()(reduce_dtype=cfg.reduce_dtype)} if cfg.reduce_dtype else {}
             for unit in model.units():
                 shard(unit, mesh=mesh, reshard_after_forward=(stage == 3), **kw)
             shard(model, mesh=mesh, reshard_after_forward=(stage == 3), **kw)
             self.wrapped = model
-            self.optimizer = torch.optim.Adam(model.parameters(), lr=lr, foreach=False)
+            self.optimizer = optimizer_class(model.parameters(), lr=cfg.lr, foreach=False)
 
-    def train_step(self, x, y, micro_batches: int = 1) -> float:
-        """Like the engines': K micro-batches, one step. Skipping the gradient sync on all but the
-        last is DDP's `no_sync()` and FSDP2's `set_requires_gradient_sync(False)`."""
+    def loss(self, x, y):
+        return self.model.loss(self.wrapped(x), y)
+
+    def gradient_sync(self, sync):
+        """Skipping the gradient sync on all but the last micro-batch: DDP's `no_sync()`, FSDP2's
+        `set_requires_gradient_sync(False)`."""
         import contextlib
 
-        total = 0.0
-        for i, (xi, yi) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
-            sync = self.sync_each_micro_batch or i == micro_batches - 1
-            context = contextlib.nullcontext()
-            if self.stage in (0, 1):
-                context = contextlib.nullcontext() if sync else self.wrapped.no_sync()
-            else:
-                self.model.set_requires_gradient_sync(sync)
-            with context:
-                measuring = memory.saved_activations(exclude=self.model.parameters) if self.measure_memory \
-                    else contextlib.nullcontext({"bytes": None})
-                with measuring as saved:  # forward only
-                    loss = self.model.loss(self.wrapped(xi), yi) / micro_batches
-                self.activation_bytes = saved["bytes"]
-                loss.backward()
-            total += loss.item()
-        if self.clip_norm is not None:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)
-            self.last_grad_norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
+        if self.stage in (0, 1):
+            return contextlib.nullcontext() if sync else self.wrapped.no_sync()
+        self.model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+    def step(self):
+        params = list(self.model.parameters())
+        if self.config.clip_norm is not None:  # FSDP2's gradients are DTensors: the norm over every shard
+            self._norm = torch.nn.utils.clip_grad_norm_(params, self.config.clip_norm)
+        self.tell("optimizer step", [p.grad for p in params])
         self.optimizer.step()
-        self._last_grads = [p.grad for p in self.model.parameters()]  # resident until zeroed
-        self.optimizer.zero_grad(set_to_none=False)
-        return total
+        self.optimizer.zero_grad(set_to_none=False)  # (the gradients stay allocated, as DDP's buckets do)
+
+    @property
+    def last_grad_norm(self):
+        if self._norm is None:
+            return None
+        return (self._norm.full_tensor() if hasattr(self._norm, "full_tensor") else self._norm).item()
 
     def state_tensors(self):
+        local = getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer: its own shard's
         return {"params": list(self.model.parameters()), "grads": [p.grad for p in self.model.parameters()],
-                "optimizer": memory.optimizer_tensors(getattr(self.optimizer, "optim", self.optimizer))}
+                "optimizer": memory.optimizer_tensors(local)}
+
+    def _name(self, name: str) -> str:
+        return name.removeprefix("module.")  # DDP's wrapper adds it
 
     def full_parameters(self):
         out = {}
         for name, p in self.model.named_parameters():
-            t = p.full_tensor() if hasattr(p, "full_tensor") else p
-            out[name.replace("module.", "", 1) if name.startswith("module.") else name] = t.detach().clone()
+            out[self._name(name)] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
         return out
+
+    def shard_pieces(self, tensors):
+        """DDP and ZeroRedundancyOptimizer: whole gradients. FSDP2: each parameter's dim-0 shard
+        (torch.chunk's rows), a DTensor whose local part this rank holds."""
+        DTensor, _, _ = dtensor()
+        out = {}
+        for (name, p), t in zip(self.model.named_parameters(), tensors):
+            if isinstance(t, DTensor):
+                local = t.to_local()
+                rows = -(-p.shape[0] // self.shards)  # per rank
+                start = self.rank * rows * (p.numel() // p.shape[0])
+                out[self._name(name)] = (start, start + local.numel(), local.reshape(-1))
+            else:
+                out[self._name(name)] = (0, t.numel(), t.reshape(-1))
+        return out
+
+    def checkpoint_state(self):
+        """The model's and optimizer's state dicts as DCP expects them (torch.distributed.checkpoint.
+        state_dict). ZeroRedundancyOptimizer keeps the state of the parameters this rank owns, in its
+        local optimizer: saved under their names, loaded in place by whichever rank owns them then."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        from .zero.optim import init_state
+
+        if self.stage != 1:
+            return {"model": get_model_state_dict(self.model),
+                    "optim": get_optimizer_state_dict(self.model, self.optimizer)}
+        local = self.optimizer.optim
+        init_state(local)
+        names = {p: self._name(n) for n, p in self.model.named_parameters()}
+        owned = {f"optim.{names[p]}.{k}": v for group in local.param_groups for p in group["params"]
+                 for k, v in local.state[p].items()}
+        return {"model": get_model_state_dict(self.model), **owned}
+
+    def load_checkpoint_state(self, state):
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        set_model_state_dict(self.model, state["model"])
+        if self.stage != 1:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+        # (ZeroRedundancyOptimizer's states were loaded in place, into its local optimizer)

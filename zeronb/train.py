@@ -1,4 +1,5 @@
-"""`python -m zeronb.train`: the ZeRO stages as a script - on a pool of ranks, or under torchrun.
+"""`python -m zeronb.train`: the ZeRO stages as a script - on a pool of ranks, or under torchrun -
+and `run(RunConfig(...))`, the same from Python.
 
     python -m zeronb.train --stage 2 --nproc 4 --model gpt --dtype float64 --steps 5 --report r.json
     torchrun --nproc-per-node 4 -m zeronb.train --stage 3 --model mlp    # joins torchrun's group
@@ -6,28 +7,30 @@
 Stage 0 is data parallelism (DDP); `--nproc 1 --stage 0` is plain single-process training on the
 whole global batch - the reference every stage must match. `--impl torch` runs PyTorch's own
 counterpart instead of zeronb's: DistributedDataParallel (0), ZeroRedundancyOptimizer (1), FSDP2
-`fully_shard` with reshard_after_forward False (2) and True (3).
+`fully_shard` with reshard_after_forward False (2) and True (3). `--optimizer sgd` trains with
+plain SGD, whose parameters show a gradient scaled by a constant (Adam's hardly do).
 
 Training in practice, for every stage and both impls (each also for the single-process reference):
 `--grad-accum K` (K micro-batches per rank and step; `--accum-sync every|last` says when gradients
 are communicated), `--clip NORM` (global-norm clipping over shards), `--reduce-dtype fp32|bf16`
 (the dtype gradients are reduced in), `--activation-checkpointing` (recompute each unit's
-activations in backward), `--checkpoint DIR` (a sharded checkpoint at the end, with
+activations in backward), `--shard-size G` (shard over groups of G ranks and replicate across
+them: HSDP), `--checkpoint DIR` (a sharded checkpoint at the end, with
 torch.distributed.checkpoint) and `--resume DIR` (load it on any number of ranks and train on to
 `--steps` in total); `python -m zeronb.checkpoint DIR OUT` exports one file of full tensors.
 
-The report (--report) holds, per rank, the bytes of parameters, gradients and optimizer state it
-holds between steps, the bytes zeronb.memory's formula expects, the bytes it sent in the last step
-per collective (logical: what the algorithm sends) and on the wire (what the OS counted on gloo's
-TCP connections; None under NCCL), the device, CUDA's allocated and peak bytes on a GPU, the
-activations saved in the last forward, the gradient bytes held after each micro-batch, the gradient
-norm (with --clip), and the median step time; plus the final loss (of the global batch) and the
-settings above.
+The report (--report, JSON) holds the settings and, per rank, what zeronb.runs.RankReport lists:
+the bytes of parameters, gradients and optimizer state it holds between steps and what
+zeronb.memory's formula expects, the bytes it sent in the last step per collective (logical:
+what the algorithm sends) and on the wire (what the OS counted on gloo's TCP connections; None
+under NCCL), CUDA's allocated and peak bytes on a GPU, the activations saved in the last forward,
+the gradient bytes held after each micro-batch, the gradient norm (with --clip), the median step
+time, and the final loss (of the global batch).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -39,260 +42,131 @@ import torch.distributed as dist
 
 from . import memory
 from .ledger import CommLedger
-from .models import Config, checkpoint_activations, global_batch, local_batch, make_model, num_params
-from .zero.common import model_dtype
+from .models import checkpoint_activations, choose_units, local_batch, make_model, num_params
+from .observe import Gradients, MemoryTrace, StepMemory, Timeline
+from .parity import grad_diff, max_diff  # noqa: F401  (where the chapters and tests find them)
+from .reference import expected_bytes, train_single
+from .runs import RankReport, RunConfig, RunReport
 
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m zeronb.train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=0)
-    p.add_argument("--nproc", type=int, default=2, help="ranks to start (ignored under torchrun)")
-    p.add_argument("--model", choices=["mlp", "gpt"], default="mlp")
-    p.add_argument("--dtype", choices=["float32", "float64", "bf16-mixed"], default="float32")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--global-batch", type=int, default=16)
-    p.add_argument("--impl", choices=["zeronb", "torch"], default="zeronb")
-    p.add_argument("--prefetch", action="store_true", help="stage 3: prefetch the next unit's parameters")
-    p.add_argument("--grad-accum", type=int, default=1, metavar="K",
-                   help="split each rank's share of --global-batch into K micro-batches; the result is still "
-                        "one step on the whole global batch")
-    p.add_argument("--clip", type=float, default=None, metavar="NORM",
-                   help="clip by the global gradient norm, as torch.nn.utils.clip_grad_norm_ would on one "
-                        "process holding the whole model")
-    p.add_argument("--reduce-dtype", choices=["fp32", "bf16"], default=None,
-                   help="the dtype gradients are reduced in (default: their own); bf16 halves the bytes")
-    p.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute each unit's activations in backward instead of keeping them")
-    p.add_argument("--accum-sync", choices=["every", "last"], default="every",
-                   help="with --grad-accum: communicate gradients after every micro-batch, or only after the "
-                        "last (DDP's no_sync; ZeRO-2/3 keep the full gradients until then)")
-    p.add_argument("--checkpoint", default=None, metavar="DIR",
-                   help="save a sharded checkpoint (torch.distributed.checkpoint) here at the end")
-    p.add_argument("--resume", default=None, metavar="DIR",
-                   help="load a checkpoint saved by --checkpoint (on any number of ranks) and train on until "
-                        "--steps steps in total have been taken")
-    p.add_argument("--report", default=None, help="write the JSON report here")
-    p.add_argument("--save-params", default=None, help="rank 0 saves {name: full tensor} here (torch.save)")
-    p.add_argument("--timeout", type=float, default=600, help="seconds for the whole run on a pool")
-    args = p.parse_args(argv)
-    if args.impl == "torch" and args.dtype == "bf16-mixed":
-        p.error("--impl torch runs float32 or float64 (the comparison is about the algorithm, not precision)")
-    if args.steps < 1:
-        p.error("--steps must be at least 1")
-    if args.clip is not None and not args.clip > 0:
-        p.error(f"--clip must be a positive norm, not {args.clip}")
-    if args.grad_accum < 1 or args.global_batch % args.grad_accum:
-        p.error(f"--grad-accum must be a positive divisor of --global-batch ({args.global_batch}), not {args.grad_accum}")
-    if args.resume is not None:
-        from . import checkpoint
-
-        try:
-            info = checkpoint.read_info(args.resume)
-            checkpoint.check_compatible(info, _settings(args))
-        except (FileNotFoundError, ValueError) as e:
-            p.error(f"--resume: {e}")
-        if info["steps_done"] >= args.steps:
-            p.error(f"--resume: the checkpoint has taken {info['steps_done']} steps already; --steps counts the "
-                    f"total, so ask for more than {info['steps_done']}")
-    return args
-
-
-def _settings(args) -> dict:
-    """What a checkpoint records of the run (a resume must share its structure: checkpoint.STRUCTURE)."""
-    return {"stage": args.stage, "impl": args.impl, "model": args.model, "dtype": args.dtype,
-            "seed": args.seed, "global_batch": args.global_batch, "lr": args.lr}
-
-
-def _config(args) -> Config:
-    return Config(kind=args.model, seed=args.seed, global_batch=args.global_batch)
-
-
-# --- the reference: one process, the whole batch ---------------------------------------------------
-
-def train_single(args, device=None) -> dict:
-    """Plain training in one process on the whole global batch: what every stage must reproduce.
-    It runs where a 1-rank pool would (the GPU, if there is one) and keeps its gradients between
-    steps as DDP's buckets do, so that its report counts what stage 0 counts."""
-    from .backend import choose_backend, rank_device
-
-    dev = torch.device(device) if device is not None else rank_device(choose_backend(1)[0], 0)
-    cfg, dtype = _config(args), model_dtype(args.dtype)
-    model = make_model(cfg, dtype, dev)
-    if args.activation_checkpointing:
-        checkpoint_activations(model)
-    params = list(model.parameters())
-    mixed = args.dtype == "bf16-mixed"
-    master = [p.detach().float().clone() for p in params] if mixed else params
-    opt = torch.optim.Adam(master, lr=args.lr, foreach=False)
-    memory.reset_cuda_peak(dev)
-    losses, times, grad_norm = [], [], None
-    for step in range(args.steps):
-        t0 = time.perf_counter()
-        x, y = global_batch(cfg, step, dtype, dev)
-        last = step == args.steps - 1
-        with memory.saved_activations(exclude=params) if last else contextlib.nullcontext() as saved:
-            loss = model.loss(model(x), y)  # (activations counted in the last step, as the pool's ranks do)
-        for p in params:  # zeroed in place, as DDP zeroes its buckets: the buffers stay
-            if p.grad is not None:
-                p.grad.zero_()
-        loss.backward()
-        if mixed:
-            for m, p in zip(master, params):
-                m.grad = p.grad.float()
-        if args.clip is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(master, args.clip).item()
-        opt.step()
-        if mixed:
-            with torch.no_grad():
-                for m, p in zip(master, params):
-                    p.copy_(m)
-                    m.grad = None  # the fp32 copy of a gradient lives only for the step
-        losses.append(loss.item())
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        times.append(time.perf_counter() - t0)
-    state = {"params": params, "grads": [p.grad for p in params],
-             "optimizer": memory.optimizer_tensors(opt) + (master if mixed else [])}
-    rank_report = _rank_report(args, model, state, {}, times, world_size=1, rank=0, device=dev)
-    rank_report["grad_norm"] = grad_norm if args.clip is not None else None
-    rank_report["activation_bytes"] = saved["bytes"]
-    # the fields a rank of a pool reports, for one process: nothing communicated, no micro-batches
-    # (the reference takes the whole batch at once; --grad-accum does not change its result)
-    rank_report.update(calls_per_step={}, wire_bytes_per_step=None, grad_bytes_after_micro_batch=None, steps_taken=args.steps,
-                       final_loss=losses[-1], events=[], memory_timeline=[])
-    return {"losses": losses, "ranks": [rank_report],
-            "params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()}}
-
-
-def max_diff(a: dict, b: dict) -> float:
-    """Largest |difference| over all parameters of two {name: tensor} dicts (on the CPU): how far a
-    run is from the reference. The two must name the same parameters."""
-    if set(a) != set(b):
-        raise ValueError(f"the two runs name different parameters: {sorted(set(a) ^ set(b))}")
-    return max((a[k].detach().cpu() - b[k].detach().cpu()).abs().max().item() for k in a)
+__all__ = ["RunConfig", "RunReport", "RankReport", "run", "run_many", "train_rank", "train_single",
+           "build_stage", "parse_args", "main", "max_diff", "grad_diff"]
 
 
 # --- one rank of a distributed run ---------------------------------------------------------------
 
-def _engine(args, model):
-    """The stage to train with: zeronb's own, or PyTorch's counterpart."""
-    sync_each = args.accum_sync == "every"
-    reduce_dtype = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16}[args.reduce_dtype]
-    if args.impl == "zeronb":
-        from .zero import STAGES
+def build_stage(config: RunConfig, model, observers=()):
+    """The stage to train with, zeronb's own or PyTorch's counterpart, built from the run's settings
+    (its process groups too: with shard_size, HSDP's)."""
+    from .zero import STAGES, sharding_groups
+    from .torch_impls import TorchStage
 
-        kw = {"prefetch": args.prefetch} if args.stage == 3 else {}
-        if args.stage != 1:  # ZeRO-1 holds full gradients anyway and reduce-scatters once, at the step
-            kw["sync_each_micro_batch"] = sync_each
-        engine = STAGES[args.stage](model, precision=args.dtype, lr=args.lr, **kw)
-    else:
-        from .torch_impls import TorchStage
-
-        engine = TorchStage(model, args.stage, lr=args.lr, sync_each_micro_batch=sync_each, reduce_dtype=reduce_dtype)
-    engine.clip_norm = args.clip
-    engine.reduce_dtype = reduce_dtype
-    return engine
+    groups = sharding_groups(config.shard_size) if config.shard_size else (None, None)
+    stage_config = config.stage_config(*groups)
+    if config.impl == "torch":
+        return TorchStage(model, config.stage, stage_config, observers)
+    own = {3: dict(prefetch=config.prefetch, reshard_after_forward=config.reshard_after_forward,
+                   units=choose_units(model, config.wrap))}.get(config.stage, {})  # ZeRO-3's own settings
+    return STAGES[config.stage](model, stage_config, observers, **own)
 
 
-def train_rank(args) -> dict:
+def train_rank(config: RunConfig) -> RankReport:
     """Run inside a rank (a pool's or torchrun's): train, measure, and report."""
-    rank, n = dist.get_rank(), dist.get_world_size()
-    cfg, dtype = _config(args), model_dtype(args.dtype)
     from .backend import backend_for, device
 
-    dev = device()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    cfg, dtype, dev = config.model_config(), config.torch_dtype(), device()
     # bytes on the wire, as the OS counts them, where gloo carries the traffic over TCP
     wire = sys.platform.startswith("linux") and backend_for(dev) == "gloo"
     model = make_model(cfg, dtype, dev)
-    if args.activation_checkpointing:
+    if config.activation_checkpointing:
         checkpoint_activations(model)
-    engine = _engine(args, model)
+    stage = build_stage(config, model)
     first = 0
-    if args.resume:  # the saved shards, resharded by DCP onto this many ranks
+    if config.resume:  # the saved shards, resharded by DCP onto this many ranks
         from . import checkpoint
 
-        first = checkpoint.load(engine, args.resume)["steps_done"]
+        first = checkpoint.load(stage, config.resume)["steps_done"]
+    # the last step is watched from outside (zeronb.observe); the others run unobserved
+    step_memory, gradients = StepMemory(), Gradients()
+    traced = [Timeline(dev), MemoryTrace()] if config.trace else []
     memory.reset_cuda_peak(dev)  # the peak this run reaches, not an earlier call's on this rank
     losses, times = [], []
-    for step in range(first, args.steps):
+    for step in range(first, config.steps):
         x, y = local_batch(cfg, step, rank, n, dtype, dev)
-        engine.measure_memory = step == args.steps - 1  # the last step's, for the report (it costs time)
+        stage.observers = [step_memory, gradients, *traced] if step == config.steps - 1 else []
         dist.barrier()
         t0 = time.perf_counter()
         with CommLedger(wire=wire) as ledger:
-            losses.append(engine.train_step(x, y, micro_batches=args.grad_accum))
+            losses.append(stage.train_step(x, y, micro_batches=config.grad_accum))
         if dev.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    sent, calls = dict(ledger.by_op), dict(ledger.calls)  # the last step's traffic
-    if args.checkpoint:
+    stage.observers = []
+    if config.checkpoint:
         from . import checkpoint
 
-        checkpoint.save(engine, args.checkpoint, {**_settings(args), "steps_done": args.steps})
+        checkpoint.save(stage, config.checkpoint, {**config.settings(), "steps_done": config.steps})
     loss = torch.tensor([losses[-1]], dtype=torch.float64, device=dev)
     dist.all_reduce(loss)  # equal local batches: the mean of local losses is the global batch's loss
-    report = _rank_report(args, model, engine.state_tensors(), sent, times, n, rank, dev)
-    report["final_loss"] = loss.item() / n
-    report["calls_per_step"] = calls
-    report["grad_norm"] = engine.last_grad_norm if args.clip is not None else None  # before clipping
-    report["activation_bytes"] = engine.activation_bytes  # saved in the last micro-batch's forward
-    report["wire_bytes_per_step"] = ledger.wire_bytes  # None where the OS cannot count (NCCL)
-    # gradients held after each micro-batch's backward (zeronb's engines): what accumulation costs
-    report["grad_bytes_after_micro_batch"] = getattr(engine, "grad_bytes_after_micro_batch", None)
-    report["steps_taken"] = args.steps - first  # (fewer than --steps after --resume)
-    report["memory_timeline"] = getattr(engine, "memory", [])
-    report["events"] = [list(e) for e in getattr(engine, "events", [])]
-    full = engine.full_parameters()
-    report["params"] = {k: v.cpu() for k, v in full.items()} if rank == 0 else None
-    return report
-
-
-def _rank_report(args, model, state, sent, times, world_size, rank, device) -> dict:
     psi = num_params(model)
-    per = memory.PRECISIONS[args.dtype]
-    expected = memory.model_state_breakdown(psi, world_size, args.stage if world_size > 1 else 0, *per)
-    steady = times[1:] or times  # the first step pays for warm-up (allocations, connections)
-    return {"rank": rank, "bytes": memory.measure(**state), "expected_bytes": expected,
-            "sent_bytes_per_step": sent, "step_ms": statistics.median(steady) * 1e3,
-            "num_params": psi, "device": str(device), **memory.cuda_memory(device)}
+    steady = times[1:-1] or times[1:] or times  # the first step warms up; the last one is observed
+    timeline = traced[0] if traced else None
+    return RankReport(
+        rank=rank, device=str(dev), num_params=psi, steps_taken=config.steps - first, final_loss=loss.item() / n,
+        step_ms=statistics.median(steady) * 1e3, bytes=memory.measure(**stage.state_tensors()),
+        expected_bytes=expected_bytes(config, psi, stage.shards, config.stage),
+        sent_bytes_per_step=dict(ledger.by_op), calls_per_step=dict(ledger.calls), wire_bytes_per_step=ledger.wire_bytes,
+        grad_norm=stage.last_grad_norm if config.clip is not None else None,
+        activation_bytes=step_memory.activation_bytes,
+        grad_bytes_after_micro_batch=step_memory.grad_bytes_after_micro_batch, grads=gradients.pieces,
+        timeline=timeline.spans() if timeline else None, events=timeline.records() if timeline else None,
+        memory_trace=traced[1].notes if traced else None,
+        params={k: v.cpu() for k, v in stage.full_parameters().items()}, **memory.cuda_memory(dev))
+
+
+def _train_ranks(configs: list) -> list:
+    return [train_rank(c) for c in configs]
 
 
 # --- putting it together ---------------------------------------------------------------------------
 
-def run(args) -> dict:
-    """Train as the arguments say; return the report (with the final parameters under "params")."""
+def run(config: RunConfig, pool=None) -> RunReport:
+    """Train as `config` says; the report, with rank 0's final parameters in `params`. Inside a
+    process group (torchrun, or a rank) it trains there; `nproc` 1 at stage 0 is the one-process
+    reference; otherwise on `pool` (a zeronb.Cluster) or on a new pool of `nproc` ranks."""
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized()
     if dist.is_initialized() or under_torchrun:
         if under_torchrun:
             _join_torchrun_group()
-        out = train_rank(args)
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, {k: v for k, v in out.items() if k != "params"})
-        ranks, params, world_size = gathered, out["params"], dist.get_world_size()
-        losses = [r["final_loss"] for r in ranks]
-    elif args.nproc == 1 and args.stage == 0 and args.impl == "zeronb" and not (args.checkpoint or args.resume):
-        single = train_single(args)
-        ranks, params, world_size = single["ranks"], single["params"], 1
-        losses = [single["losses"][-1]]
-    else:
-        from .cluster import Cluster
+        mine = train_rank(config)
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, dataclasses.replace(mine, params=None, grads=None))
+        ranks[dist.get_rank()] = mine
+        return RunReport(config, len(ranks), ranks, mine.params)
+    if pool is None and config.nproc == 1 and config.stage == 0 and config.impl == "zeronb" \
+            and not (config.checkpoint or config.resume):
+        return train_single(config)
+    return run_many([config], pool)[0]
 
-        with Cluster(args.nproc, verbose=False) as cluster:
-            ranks = list(cluster.run(train_rank, args, timeout=args.timeout, echo=False))
-        params, world_size = ranks[0]["params"], args.nproc
-        for r in ranks:
-            r.pop("params", None)
-        losses = [r["final_loss"] for r in ranks]
-    return {"stage": args.stage, "world_size": world_size, "impl": args.impl, "model": args.model,
-            "dtype": args.dtype, "grad_accum": args.grad_accum, "accum_sync": args.accum_sync,
-            "clip": args.clip, "reduce_dtype": args.reduce_dtype,
-            "activation_checkpointing": args.activation_checkpointing,
-            "checkpoint": args.checkpoint, "resume": args.resume,
-            "num_params": ranks[0]["num_params"], "final_loss": losses[0],
-            "ranks": ranks, "params": params}
+
+def run_many(configs: list, pool=None) -> list:
+    """Several runs, one after another on the same ranks in one call (the same processes, the same
+    conditions): a RunReport each."""
+    from .cluster import Cluster
+
+    if pool is None:
+        sizes = {c.nproc or 2 for c in configs}
+        if len(sizes) > 1:
+            raise ValueError(f"run_many runs every config on one pool; they ask for {sorted(sizes)} ranks")
+        with Cluster(sizes.pop(), verbose=False) as new:
+            return run_many(configs, new)
+    wrong = [c.nproc for c in configs if c.nproc not in (None, pool.world_size)]
+    if wrong:
+        raise ValueError(f"the pool has {pool.world_size} ranks, the config asks for {wrong[0]}: leave nproc "
+                         "unset to run on the pool as it is, or start a pool of that size")
+    per_rank = pool.run(_train_ranks, configs, timeout=sum(c.timeout for c in configs), echo=False)
+    return [RunReport(config, pool.world_size, [r[i] for r in per_rank], per_rank[0][i].params)
+            for i, config in enumerate(configs)]
 
 
 def _join_torchrun_group() -> None:
@@ -307,23 +181,81 @@ def _join_torchrun_group() -> None:
         join_group("gloo", torch.device("cpu"))
 
 
+# --- the command line ---------------------------------------------------------------------------
+
+def parse_args(argv=None) -> RunConfig:
+    """The command line, parsed into a RunConfig (a bad combination exits with what to do)."""
+    return _parse(argv)[0]
+
+
+def _parse(argv):
+    """(RunConfig, args): the run, and where the command line writes its results."""
+    d = RunConfig()
+    p = argparse.ArgumentParser(prog="python -m zeronb.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=d.stage)
+    p.add_argument("--nproc", type=int, default=2, help="ranks to start (ignored under torchrun)")
+    p.add_argument("--model", choices=["mlp", "gpt"], default=d.model)
+    p.add_argument("--dtype", choices=["float32", "float64", "bf16-mixed"], default=d.dtype)
+    p.add_argument("--optimizer", choices=["adam", "sgd"], default=d.optimizer,
+                   help="Adam, or plain SGD (no momentum): parity under SGD shows a mis-scaled gradient")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--global-batch", type=int, default=d.global_batch)
+    p.add_argument("--impl", choices=["zeronb", "torch"], default=d.impl)
+    p.add_argument("--prefetch", action="store_true", help="stage 3: prefetch the next unit's parameters")
+    p.add_argument("--grad-accum", type=int, default=d.grad_accum, metavar="K",
+                   help="split each rank's share of --global-batch into K micro-batches; the result is still "
+                        "one step on the whole global batch")
+    p.add_argument("--accum-sync", choices=["every", "last"], default=d.accum_sync,
+                   help="with --grad-accum: communicate gradients after every micro-batch, or only after the "
+                        "last (DDP's no_sync; ZeRO-2/3 keep the full gradients until then)")
+    p.add_argument("--clip", type=float, default=None, metavar="NORM",
+                   help="clip by the global gradient norm, as torch.nn.utils.clip_grad_norm_ would on one "
+                        "process holding the whole model")
+    p.add_argument("--reduce-dtype", choices=["fp32", "bf16"], default=None,
+                   help="the dtype gradients are reduced in (default: their own); bf16 halves the bytes")
+    p.add_argument("--reduce-scatter", choices=["torch", "ring"], default=d.reduce_scatter,
+                   help="the stages' reduce-scatters: the backend's, or zeronb's ring (on gloo the wire then "
+                        "shows a reduce-scatter's bytes, not the all-reduce gloo runs instead)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each unit's activations in backward instead of keeping them")
+    p.add_argument("--shard-size", type=int, default=None, metavar="G",
+                   help="shard over groups of G consecutive ranks and replicate across the groups (HSDP)")
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="save a sharded checkpoint (torch.distributed.checkpoint) here at the end")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="load a checkpoint saved by --checkpoint (on any number of ranks) and train on until "
+                        "--steps steps in total have been taken")
+    p.add_argument("--report", default=None, help="write the JSON report here")
+    p.add_argument("--save-params", default=None, help="rank 0 saves {name: full tensor} here (torch.save)")
+    p.add_argument("--timeout", type=float, default=d.timeout, help="seconds for the whole run on a pool")
+    args = p.parse_args(argv)
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    try:
+        config = RunConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    except ValueError as e:
+        p.error(str(e))
+    return config, args
+
+
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    report = run(args)
-    params = report.pop("params")
+    config, args = _parse(argv)
+    report = run(config)
     is_writer = not dist.is_initialized() or dist.get_rank() == 0
     if is_writer:
         if args.save_params:
-            torch.save(params, args.save_params)
+            torch.save(report.params, args.save_params)
         if args.report:
             with open(args.report, "w") as f:
-                json.dump(report, f, indent=1)
-        r0 = report["ranks"][0]
-        sent, wire = sum(r0["sent_bytes_per_step"].values()), r0.get("wire_bytes_per_step")
+                json.dump(report.to_json(), f, indent=1)
+        r0 = report.ranks[0]
+        sent, wire = sum(r0.sent_bytes_per_step.values()), r0.wire_bytes_per_step
         on_wire = f" ({wire / 1024:.1f} KiB on the wire)" if wire is not None else ""
-        print(f"stage {args.stage} ({args.impl}), {report['world_size']} rank(s), {args.model}, {args.dtype}: "
-              f"final loss {report['final_loss']:.6f}; rank 0 holds {sum(r0['bytes'].values()) / 1024:.1f} KiB "
-              f"of model states, sent {sent / 1024:.1f} KiB{on_wire} in the last step, {r0['step_ms']:.1f} ms/step")
+        print(f"stage {config.stage} ({config.impl}), {report.world_size} rank(s), {config.model}, {config.dtype}, "
+              f"{config.optimizer}: final loss {report.final_loss:.6f}; rank 0 holds {sum(r0.bytes.values()) / 1024:.1f} "
+              f"KiB of model states, sent {sent / 1024:.1f} KiB{on_wire} in the last step, {r0.step_ms:.1f} ms/step")
     if dist.is_initialized() and "RANK" in os.environ:
         dist.destroy_process_group()
     return 0

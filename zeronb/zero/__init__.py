@@ -1,18 +1,21 @@
-"""The ZeRO stages, one short module each: ddp (stage 0), zero1, zero2, zero3 (and FSDP's options).
+"""The ZeRO stages, one short module each: ddp (stage 0), zero1, zero2, zero3 (and FSDP's options),
+behind one interface (stage.Stage) and one config (config.StageConfig):
 
-Every stage is a class with the same small interface, so that a training loop, the train CLI and
-the chapters can swap one for another:
+    stage = ZeRO1(model, StageConfig(precision="float32", lr=1e-3))
+    loss = stage.train_step(x, y)        # forward, backward, communication, optimizer step
+    stage.state_tensors()                # {"params": [...], "grads": [...], "optimizer": [...]}
+    stage.full_parameters()              # {name: full tensor}, gathered if sharded
 
-    engine = ZeRO1(model, precision="float32", lr=1e-3)
-    loss = engine.train_step(x, y)       # forward, backward, communication, optimizer step
-    engine.state_tensors()               # {"params": [...], "grads": [...], "optimizer": [...]}
-    engine.full_parameters()             # {name: full tensor}, gathered if sharded
+What every stage shares is in buckets.py (parameters in flat buffers, and their gradients' state
+during a step) and optim.py (the optimizer on a rank's shards).
 """
+from .config import StageConfig, sharding_groups
 from .ddp import DDP, NaiveDDP
+from .stage import Stage
 from .zero1 import ZeRO1
 from .zero2 import ZeRO2
 from .zero3 import ZeRO3
 
 STAGES = {0: DDP, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}
 
-__all__ = ["DDP", "NaiveDDP", "ZeRO1", "ZeRO2", "ZeRO3", "STAGES"]
+__all__ = ["DDP", "NaiveDDP", "ZeRO1", "ZeRO2", "ZeRO3", "STAGES", "Stage", "StageConfig", "sharding_groups"]

@@ -7,7 +7,7 @@ only for its own shard, chunk r of the flat parameters. One step:
 1. forward and backward, as in DDP: full gradients on every rank;
 2. reduce-scatter the gradients: rank r receives the sum of everyone's chunk r - the only gradient
    its optimizer needs;
-3. Adam on the owned shard only;
+3. the optimizer on the owned shard only;
 4. all-gather the updated shards, so that every rank has all the new parameters again.
 
 Reduce-scatter + all-gather send exactly what one all-reduce sends (an all-reduce *is* the two of
@@ -16,46 +16,51 @@ them), so this saves optimizer memory for free in bandwidth.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from ..backend import all_gather_single, reduce_scatter_single
-from .common import ShardAdam, average_, make_buckets
-from .engine import Engine
+from ..compat import all_gather_single
+from .buckets import make_buckets, reduce_scatter_into
+from .optim import ShardOptimizer
+from .stage import FlatStage
 
 
-class ZeRO1(Engine):
+class ZeRO1(FlatStage):
     stage = 1
 
-    def __init__(self, model, precision="float32", lr=1e-3):
-        super().__init__(model, precision, lr)
-        self.rank, n = dist.get_rank(), dist.get_world_size()
-        (self.flat,) = make_buckets(list(model.parameters()), n, None)  # one flat buffer, N chunks
-        self.flat.grad = torch.zeros_like(self.flat.data)
-        for p, g in zip(self.flat.params, self.flat.views(self.flat.grad)):
-            p.grad = g  # full gradients, accumulated in place by autograd
-        self.shard = self.flat.chunk(self.rank)               # the parameters this rank updates
-        self.adam = ShardAdam([self.shard], precision, lr)    # state for the shard only
+    def __init__(self, model, config=None, observers=()):
+        super().__init__(model, config, observers)
+        self.buckets = make_buckets(list(model.parameters()), self.shards, None)  # one flat buffer, N chunks
+        (self.flat,) = self.buckets
+        self.flat.keep_grads_flat()                # 1. the full gradients, accumulated in place by autograd
+        self.shard = self.flat.chunk(self.rank)    # the parameters this rank updates
+        self.optimizer = ShardOptimizer([self.shard], self.config, group=self.shard_group)  # state for the shard only
+        self.grad_shard = None                     # the summed gradient of the shard, during a step
+
+    def end_micro_batch(self):
+        if self.sync_now():
+            self._reduce_scatter()
+
+    def _reduce_scatter(self):
+        """2. Rank r gets the sum of everyone's chunk r (added to what earlier micro-batches sent, in
+        reduce_dtype if one is set: bf16 halves the bytes, and rounds the sums)."""
+        if self.grad_shard is None:
+            self.grad_shard = torch.zeros_like(self.shard)
+        self.tell("reduce-scatter", self.flat)
+        reduce_scatter_into(self.grad_shard, self.flat.grad, dtype=self.config.reduce_dtype,
+                            group=self.shard_group, ring=self.config.reduce_scatter == "ring")
+        self.flat.grad.zero_()  # sent: the next micro-batch's gradients start from zero
+        self.tell("reduce-scatter done", self.flat)
 
     def step(self):
-        # 2. reduce-scatter: rank r gets the summed gradient of chunk r
-        # (in reduce_dtype if one is set: bf16 halves the bytes, and rounds the sums)
-        grads = self.flat.grad if self.reduce_dtype is None else self.flat.grad.to(self.reduce_dtype)
-        grad_shard = grads.new_empty(self.shard.numel())
-        reduce_scatter_single(grad_shard, grads)
-        grad_shard = grad_shard.to(self.shard.dtype)
-        average_(grad_shard)
-        # 3. Adam on the owned shard
-        self.adam.step([grad_shard], self.clip_norm)
+        # 3. the optimizer on the owned shard, with its average gradient
+        self.update(self.average_([self.grad_shard]))
+        self.grad_shard = None
         # 4. all-gather the updated shards into the full parameters
-        all_gather_single(self.flat.data, self.shard.clone())
-        self.flat.grad.zero_()
-
-    def flat_buckets(self):
-        return [self.flat]
+        all_gather_single(self.flat.data, self.shard.clone(), group=self.shard_group)
+        self.tell("gathered", self.flat)
 
     def after_load(self):
-        all_gather_single(self.flat.data, self.shard.clone())  # every rank's loaded shard, everywhere
+        all_gather_single(self.flat.data, self.shard.clone(), group=self.shard_group)  # every rank's loaded shard
 
     def state_tensors(self):
-        return {"params": [self.flat.data], "grads": [self.flat.grad],
-                "optimizer": self.adam.state_tensors()}
+        return {"params": [self.flat.data], "grads": [self.flat.grad, self.grad_shard],
+                "optimizer": self.optimizer.state_tensors()}

@@ -1,233 +1,13 @@
-"""Checkers for the chapters' exercises: run the learner's function on real ranks, compare with
-torch.distributed (or a formula), and say precisely what is wrong - which rank, which chunk or
-element, what was expected and what came back.
-
-    from zeronb.exercises import check_all_reduce
-    check_all_reduce(my_all_reduce)      # prints a verdict; returns True when everything matches
-
-A checker never raises for a wrong answer (the notebook keeps going); it raises only for misuse.
-A function that deadlocks is stopped by the pool's timeout and reported as such.
+"""Checkers for the exercises that build the stages: the learner's hooks run inside real training
+steps on the ranks - bucketed DDP (chapter 7), ZeRO-2's reduce-scatter hooks (chapter 9), ZeRO-3's
+gather and free for one unit (chapter 10), accumulation with global-norm clipping (chapter 12).
 """
 from __future__ import annotations
 
 import torch
 
-from .cluster import start
-from .errors import RankError, RankTimeout
+from .checking import Verdict, _compare, _inputs, _pool, _run
 
-TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
-
-
-class Verdict:
-    """The result of a check: `ok`, and the lines that explain it (shown by print and in Jupyter)."""
-
-    def __init__(self, title: str, problems: list[str], notes: list[str] = ()):
-        self.title, self.problems, self.notes = title, problems, list(notes)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def __bool__(self):
-        return self.ok
-
-    def __str__(self):
-        if self.ok:
-            head = f"✓ {self.title}: correct"
-        else:
-            head = f"✗ {self.title}: {len(self.problems)} problem(s)"
-        return "\n".join([head] + [f"  - {p}" for p in self.problems[:12]]
-                         + ([f"  ... and {len(self.problems) - 12} more"] if len(self.problems) > 12 else [])
-                         + [f"  {n}" for n in self.notes])
-
-    def _repr_pretty_(self, p, cycle):
-        p.text(str(self))
-
-    def __repr__(self):
-        return str(self)
-
-
-def _pool(world_size):
-    return start(world_size, verbose=False)
-
-
-def _run(pool, fn, *args, timeout=30):
-    """Run on the ranks; turn a crash or a hang into a verdict line instead of an exception."""
-    try:
-        return pool.run(fn, *args, timeout=timeout, echo=False), None
-    except RankTimeout as e:
-        where = "; ".join(f"rank {r} was in: {s.strip().splitlines()[-2].strip() if s.strip() else '?'}"
-                          for r, s in sorted(e.stacks.items()))
-        return None, (f"your function did not finish within {timeout:g} s - a deadlock? ({where}). "
-                      "Does every rank post its receive while the others send (batch_isend_irecv)?")
-    except RankError as e:
-        r = e.failed[0]
-        last = [ln for ln in e.tracebacks[r].strip().splitlines() if ln.strip()][-1]
-        return None, f"rank {r} raised: {last}"
-
-
-def _compare(name, rank, got, want, dtype, chunks=None):
-    """Problems comparing one rank's result with the expected tensor, chunk by chunk if given."""
-    if not isinstance(got, torch.Tensor):
-        return [f"rank {rank}: {name} returned {type(got).__name__}, expected a tensor"]
-    if got.shape != want.shape:
-        return [f"rank {rank}: {name} has shape {tuple(got.shape)}, expected {tuple(want.shape)}"]
-    tol = TOLERANCE.get(dtype, 0.0)
-    bad = ((got.double() - want.double()).abs() > tol * max(1.0, want.abs().max().item())).reshape(-1)
-    if not bad.any():
-        return []
-    out = []
-    if chunks:
-        for c, (a, b) in enumerate(chunks):
-            if bad[a:b].any():
-                i = a + int(bad[a:b].nonzero()[0])
-                out.append(f"rank {rank}, chunk {c} (elements {a}..{b - 1}): element {i} is "
-                           f"{got.reshape(-1)[i].item():.6g}, expected {want.reshape(-1)[i].item():.6g}")
-    else:
-        i = int(bad.nonzero()[0])
-        out.append(f"rank {rank}: {int(bad.sum())} element(s) wrong; element {i} is "
-                   f"{got.reshape(-1)[i].item():.6g}, expected {want.reshape(-1)[i].item():.6g}")
-    return out
-
-
-def _inputs(rank, numel, dtype):
-    """Inside a rank: rank `rank`'s test tensor, on this rank's device (the same values on any)."""
-    from .backend import device
-
-    g = torch.Generator().manual_seed(7919 * (rank + 1) + numel)
-    return torch.randn(numel, generator=g, dtype=torch.float64).to(device=device(), dtype=dtype)
-
-
-# --- chapter 3: all-reduce from reduce-scatter and all-gather --------------------------------------
-
-def _try_all_reduce(fn, numel, dtype):
-    import torch.distributed as dist
-
-    x = _inputs(dist.get_rank(), numel, dtype)
-    want = x.clone()
-    dist.all_reduce(want)
-    got = fn(x.clone())
-    return (got.cpu() if isinstance(got, torch.Tensor) else got), want.cpu()
-
-
-def check_all_reduce(fn, world_size: int = 4, sizes=(8, 12, 4096), dtype=torch.float32) -> Verdict:
-    """Exercise (chapter 3): `fn(tensor) -> tensor`, the all-reduce (sum) built from
-    reduce_scatter_single and all_gather_single. Sizes divide evenly by the world size."""
-    pool, problems = _pool(world_size), []
-    for numel in sizes:
-        res, err = _run(pool, _try_all_reduce, fn, numel, dtype)
-        if err:
-            return Verdict("all-reduce = reduce-scatter + all-gather", [f"with {numel} elements: {err}"])
-        n = numel // world_size
-        chunks = [(r * n, (r + 1) * n) for r in range(world_size)]
-        for rank, (got, want) in enumerate(res):
-            problems += [f"with {numel} elements, {p}" for p in _compare("the result", rank, got, want, dtype, chunks)]
-    return Verdict("all-reduce = reduce-scatter + all-gather", problems,
-                   [f"checked on {world_size} ranks, sizes {list(sizes)}, against dist.all_reduce"])
-
-
-# --- chapter 4: the ring all-gather from send and receive ------------------------------------------
-
-def _try_ring_all_gather(fn, numel, dtype):
-    import torch.distributed as dist
-
-    from .ledger import CommLedger
-    from .shards import bounds
-
-    rank = dist.get_rank()
-    full = _inputs(0, numel, dtype)  # the same tensor everywhere: rank r holds its slice of it
-    a, b = bounds(numel, dist.get_world_size(), rank)
-    with CommLedger() as ledger:
-        got = fn(full[a:b].clone(), numel)
-    return (got.cpu() if isinstance(got, torch.Tensor) else got), full, ledger.bytes_sent, dict(ledger.by_op)
-
-
-def check_ring_all_gather(fn, world_size: int = 4, sizes=(8, 4096), dtype=torch.float32) -> Verdict:
-    """Exercise (chapter 4): `fn(shard, numel) -> full tensor`, a ring all-gather written with
-    point-to-point sends and receives only: N-1 steps, (N-1)/N of the tensor sent by each rank."""
-    from .shards import all_bounds, chunk_size
-
-    pool, problems = _pool(world_size), []
-    for numel in sizes:
-        res, err = _run(pool, _try_ring_all_gather, fn, numel, dtype)
-        if err:
-            return Verdict("ring all-gather", [f"with {numel} elements: {err}"])
-        chunks = all_bounds(numel, world_size)
-        want_bytes = (world_size - 1) * chunk_size(numel, world_size) * torch.tensor([], dtype=dtype).element_size()
-        for rank, (got, want, sent, by_op) in enumerate(res):
-            problems += [f"with {numel} elements, {p}" for p in _compare("the result", rank, got, want, dtype, chunks)]
-            collectives = sorted(op for op in by_op if op != "send")
-            if collectives:
-                problems.append(f"rank {rank} called {', '.join(collectives)}: write the ring with sends and "
-                                "receives only (dist.isend / dist.irecv / batch_isend_irecv)")
-            elif sent != want_bytes:
-                problems.append(f"with {numel} elements, rank {rank} sent {sent} bytes; a ring sends "
-                                f"(N-1) chunks = {want_bytes} bytes (did you send the whole tensor, or use a collective?)")
-    return Verdict("ring all-gather", problems, [f"checked on {world_size} ranks, sizes {list(sizes)}"])
-
-
-# --- chapter 8: the ZeRO-1 step --------------------------------------------------------------------
-
-def _try_zero1_step(fn, numel, lr):
-    import torch.distributed as dist
-
-    from .shards import chunk_bounds
-
-    rank, n = dist.get_rank(), dist.get_world_size()
-    params = _inputs(100, numel, torch.float64)           # replicated parameters
-    grads = _inputs(rank, numel, torch.float64)           # each rank's own gradient
-    mean = torch.stack([_inputs(r, numel, torch.float64) for r in range(n)]).mean(0)
-    want = params - lr * mean                             # one SGD step on the averaged gradient
-    a, b = chunk_bounds(numel, n, rank)
-    got = fn(params.clone(), grads.clone(), lr)
-    return (got if isinstance(got, torch.Tensor) else got), want, (a, b)
-
-
-def check_zero1_step(fn, world_size: int = 4, numel: int = 64, lr: float = 0.1) -> Verdict:
-    """Exercise (chapter 8): `fn(flat_params, flat_grads, lr) -> new flat_params`, one ZeRO-1 step
-    with plain SGD: reduce-scatter the gradients (and average), update this rank's chunk only,
-    all-gather the chunks. `numel` divides evenly by the world size."""
-    pool, problems = _pool(world_size), []
-    res, err = _run(pool, _try_zero1_step, fn, numel, lr)
-    if err:
-        return Verdict("ZeRO-1 step", [err])
-    chunks = [res[r][2] for r in range(world_size)]
-    for rank, (got, want, _) in enumerate(res):
-        problems += _compare("the new parameters", rank, got, want, torch.float64, chunks)
-    if not problems and any(not torch.equal(res[0][0], res[r][0]) for r in range(world_size)):
-        problems.append("the ranks ended with different parameters: did every rank all-gather?")
-    return Verdict("ZeRO-1 step", problems, [f"checked on {world_size} ranks against SGD on the averaged gradient"])
-
-
-# --- chapter 10: ZeRO-3's traffic --------------------------------------------------------------------
-
-def check_zero3_bytes(fn, world_size: int = 4) -> Verdict:
-    """Exercise (chapter 10): `fn(unit_numels, world_size, element_size) -> bytes` that one rank of
-    zeronb's ZeRO-3 sends per training step (the last unit is not gathered a second time).
-    Checked against the ledger's count of a real step on the GPT model."""
-    from .train import parse_args, train_rank
-
-    pool = _pool(world_size)
-    args = parse_args(["--stage", "3", "--model", "gpt", "--dtype", "float32", "--steps", "2"])
-    try:
-        report = pool.run(train_rank, args, echo=False, timeout=300)[0]
-    except RankError as e:
-        return Verdict("ZeRO-3 bytes per step", [f"the reference run failed: {e}"])
-    from .models import Config, make_model
-
-    units = [sum(p.numel() for p in u.parameters()) for u in make_model(Config(kind="gpt")).units()]
-    measured = sum(report["sent_bytes_per_step"].values())
-    try:
-        got = fn(units, world_size, 4)
-    except Exception as e:  # the learner's own code, run here in the notebook
-        return Verdict("ZeRO-3 bytes per step", [f"your function raised {type(e).__name__}: {e}"])
-    problems = [] if got == measured else [
-        f"your formula gives {got} bytes; the ledger counted {measured} "
-        f"({report['sent_bytes_per_step']}) on {world_size} ranks with units of {units} elements"]
-    return Verdict("ZeRO-3 bytes per step", problems, ["checked against a measured step of zeronb's ZeRO-3"])
-
-
-# --- exercises that build the engines: the learner's hooks inside a real backward ----------------------
 # Each runs the learner's code on every rank inside training steps of the small MLP (float64), beside
 # a plain copy of the model whose gradients are all-reduced the obvious way: the reference. The
 # checker's own hooks, registered after the learner's, watch *when* things happen.
@@ -237,8 +17,8 @@ def _mlp_and_reference(steps: int = 2):
     reference gradients (averaged over the ranks), by parameter name."""
     import torch.distributed as dist
 
-    from .backend import device
-    from .models import Config, local_batch, make_model
+    from ..backend import device
+    from ..models import Config, local_batch, make_model
 
     cfg, dev = Config(kind="mlp"), device()
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -278,7 +58,7 @@ def _call_learner(what, fn, *args):
 def _try_bucketed_ddp(fn):
     import torch.distributed as dist
 
-    from .ledger import CommLedger
+    from ..ledger import CommLedger
 
     model, batches, reference = _mlp_and_reference()
     names = {p: name for name, p in model.named_parameters()}
@@ -360,9 +140,9 @@ def check_bucketed_ddp(fn, world_size: int = 4) -> Verdict:
 def _try_zero2_hooks(fn):
     import torch.distributed as dist
 
-    from .ledger import CommLedger
-    from .memory import tensor_bytes
-    from .zero.common import Bucket
+    from ..ledger import CommLedger
+    from ..memory import tensor_bytes
+    from ..zero.buckets import Bucket
 
     model, batches, reference = _mlp_and_reference()
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -429,8 +209,8 @@ def check_zero2_hooks(fn, world_size: int = 4) -> Verdict:
 def _try_zero3_unit(fn):
     import torch.distributed as dist
 
-    from .ledger import CommLedger
-    from .zero.common import Bucket
+    from ..ledger import CommLedger
+    from ..zero.buckets import Bucket
 
     model, batches, reference = _mlp_and_reference(steps=1)
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -505,8 +285,8 @@ def check_zero3_unit(fn, world_size: int = 4) -> Verdict:
 def _try_accumulate_and_clip(fn, max_norm, k):
     import torch.distributed as dist
 
-    from .ledger import CommLedger
-    from .shards import chunk_bounds
+    from ..ledger import CommLedger
+    from ..shards import chunk_bounds
 
     rank, n, numel = dist.get_rank(), dist.get_world_size(), 4096
     # K micro-batch gradients of this rank (each of its micro-batch's mean loss), flat and padded

@@ -1,0 +1,204 @@
+"""`python -m zeronb.bench collectives`: nccl-tests-style sweeps of all-reduce, reduce-scatter and
+all-gather - zeronb's ring, the naive root, and the backend's own - with algbw, busbw, an alpha-beta
+fit and the machine's copy bandwidth as the bound."""
+import statistics
+import time
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather")
+IMPLS = ("ring", "naive", "torch")
+SIZES = tuple(4 << (2 * i) << 10 for i in range(8))  # 4 KiB, 16 KiB, ..., 64 MiB
+
+
+def _time_collectives(nbytes: int, ops, impls, reps: int, segment_bytes: int) -> dict:
+    """Inside a rank: time each (op, impl) on a float32 tensor of `nbytes`, `reps` times,
+    interleaved. A time is the slowest rank's (a collective is done when every rank is done)."""
+    import torch
+    import torch.distributed as dist
+
+    from .. import collectives as C
+    from ..backend import device
+    from ..compat import all_gather_single, reduce_scatter_single
+    from ..shards import bounds
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    numel = nbytes // 4
+    dev = device()
+    full = torch.randn(numel, device=dev)
+    a, b = bounds(numel, n, rank)
+    shard, out = full[a:b].clone(), torch.empty(numel, device=dev)
+    out_shard = torch.empty(b - a, device=dev)
+    calls = {
+        ("all_reduce", "ring"): lambda: C.ring_all_reduce(full, segment_bytes=segment_bytes),
+        ("all_reduce", "naive"): lambda: C.naive_all_reduce(full),
+        ("all_reduce", "torch"): lambda: dist.all_reduce(full),
+        ("reduce_scatter", "ring"): lambda: C.ring_reduce_scatter(full, segment_bytes=segment_bytes),
+        ("reduce_scatter", "naive"): lambda: C.naive_reduce_scatter(full),
+        ("reduce_scatter", "torch"): lambda: reduce_scatter_single(out_shard, full),
+        ("all_gather", "ring"): lambda: C.ring_all_gather(shard, numel, segment_bytes=segment_bytes),
+        ("all_gather", "naive"): lambda: C.naive_all_gather(shard, numel),
+        ("all_gather", "torch"): lambda: all_gather_single(out, shard),
+    }
+    if nbytes % (4 * n):
+        raise ValueError(f"sizes must divide evenly over {n} ranks (torch's single-tensor collectives need it)")
+    times = {(op, impl): [] for op in ops for impl in impls}
+    for rep in range(reps + 1):  # the first round warms up (connections, allocations)
+        order = list(times)
+        order = order[rep % len(order):] + order[:rep % len(order)]  # rotate: no fixed position
+        for key in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            calls[key]()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=dev)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if rep:
+                times[key].append(t.item())
+            full.normal_()  # keep values bounded across repeated in-place sums
+    return {f"{op}/{impl}": statistics.median(v) for (op, impl), v in times.items()}
+
+
+def memcpy_bandwidth(nbytes: int = 64 << 20, reps: int = 5, device="cpu") -> float:
+    """Bytes per second of one large tensor copy on `device` (bytes copied, not read + written).
+    On the CPU it is the physical bound of a pool on one machine: every byte a collective moves is
+    copied through memory (loopback TCP copies it twice: into the kernel and out again). On a GPU
+    it is the GPU's own device-to-device copy, timed with CUDA events."""
+    import torch
+
+    device = torch.device(device)
+    src, dst = torch.randn(nbytes // 4, device=device), torch.empty(nbytes // 4, device=device)
+    dst.copy_(src)
+    ts = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            ts.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            ts.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(ts)
+
+
+def _copy_here() -> dict:
+    """Inside a rank: the copy bandwidth of this rank's device, and which device that is."""
+    import torch
+
+    from ..backend import device
+
+    dev = device()
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU, {torch.get_num_threads()} thread(s)"
+    return {"Bps": memcpy_bandwidth(device=dev), "device": str(dev), "name": name}
+
+
+def fit_alpha_beta(sizes, seconds) -> tuple[float, float]:
+    """Least-squares fit of t = alpha + beta * S: alpha the latency (s), beta seconds per byte."""
+    import numpy as np
+
+    t = np.asarray(seconds, float)
+    # weights 1/t: fit relative errors, or the largest sizes decide everything and alpha is noise
+    beta, alpha = np.polyfit(np.asarray(sizes, float), t, 1, w=1 / t)
+    return float(alpha), float(beta)
+
+
+def copy_ceiling(world_size: int, cores: int | None = None, device="cpu") -> float:
+    """A rough ceiling for busbw on one machine, as a fraction of the copy bandwidth measured on
+    `device`. On the CPU: over loopback every byte is copied twice (into the kernel, out of it),
+    every rank sends and receives busbw bytes/s, and N ranks share C cores: busbw <~ min(C, N) /
+    (2N) * memcpy. On a GPU each rank's device does its own copies: the GPU's copy bandwidth."""
+    import os
+
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return 1.0
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(cores, world_size) / (2 * world_size)
+
+
+def collectives(world_sizes=(2, 4), sizes=SIZES, ops=OPS, impls=IMPLS, reps=5,
+                segment_bytes=None, progress=True) -> dict:
+    """The sweep: for each world size, size, op and impl, the median time, algbw and busbw.
+
+    Returns {"copy": {N: {"Bps", "device", "name"}}, "rows": [{world_size, op, impl, bytes, seconds,
+    algbw, busbw}]}: "copy" is the copy bandwidth of one large tensor on the device the N-rank
+    pool's ranks use (the CPU under gloo, the GPU under NCCL), measured on rank 0.
+    algbw = S / t; busbw = algbw * bus_factor(op, N), the nccl-tests definitions, with S the full
+    tensor (the all-reduce's input, the reduce-scatter's input, the all-gather's output).
+    """
+    from tqdm.auto import tqdm
+
+    from ..cluster import Cluster
+    from ..collectives import SEGMENT_BYTES
+    from ..ledger import bus_factor
+
+    rows = []
+    bar = tqdm(total=len(world_sizes) * len(sizes), desc="collectives sweep", disable=not progress)
+    copy = {}
+    for n in world_sizes:
+        with Cluster(n, verbose=False) as c:
+            backend = c.backend
+            copy[n] = c.run(_copy_here, echo=False)[0]
+            for nbytes in sizes:
+                r = max(3, min(reps * 4, int(reps * (4 << 20) / nbytes) or reps)) if nbytes < (4 << 20) else reps
+                res = c.run(_time_collectives, nbytes, ops, impls, r, segment_bytes or SEGMENT_BYTES,
+                            echo=False, timeout=600)[0]
+                for key, t in res.items():
+                    op, impl = key.split("/")
+                    rows.append({"world_size": n, "backend": backend, "op": op, "impl": impl, "bytes": nbytes, "seconds": t,
+                                 "algbw": nbytes / t, "busbw": nbytes / t * bus_factor(op, n)})
+                bar.update(1)
+    bar.close()
+    return {"copy": copy, "rows": rows}
+
+
+def speedups(result, nbytes=16 << 20) -> list[dict]:
+    """Ring vs torch's built-in, at one size: time(torch) / time(ring), per world size and op."""
+    rows = result["rows"]
+    out = []
+    for n in sorted({r["world_size"] for r in rows}):
+        for op in OPS:
+            t = {r["impl"]: r["seconds"] for r in rows if r["world_size"] == n and r["op"] == op and r["bytes"] == nbytes}
+            if "ring" in t and "torch" in t:
+                out.append({"world_size": n, "op": op, "bytes": nbytes, "ring_s": t["ring"], "torch_s": t["torch"],
+                            "speedup": t["torch"] / t["ring"]})
+    return out
+
+
+def _human(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.3g} {unit}"
+        nbytes /= 1024
+
+
+def print_collectives(result) -> None:
+    rows = result["rows"]
+    for n in sorted({r["world_size"] for r in rows}):
+        copy = result["copy"][n]
+        memcpy = copy["Bps"]
+        print(f"\n{n} ranks: copy bandwidth of one 64 MiB tensor on {copy['device']} ({copy['name']}): "
+              f"{memcpy / 1e9:.2f} GB/s")
+        for op in OPS:
+            print(f"\n{op}, {n} ranks      time (ms)                 busbw (GB/s)            busbw / memcpy")
+            print(f"{'size':>10}  " + "  ".join(f"{i:>7}" for i in IMPLS) + "   "
+                  + "  ".join(f"{i:>7}" for i in IMPLS) + "   " + "  ".join(f"{i:>6}" for i in IMPLS))
+            for nbytes in sorted({r["bytes"] for r in rows}):
+                sel = {r["impl"]: r for r in rows if r["world_size"] == n and r["op"] == op and r["bytes"] == nbytes}
+                print(f"{_human(nbytes):>10}  " + "  ".join(f"{sel[i]['seconds'] * 1e3:7.2f}" for i in IMPLS) + "   "
+                      + "  ".join(f"{sel[i]['busbw'] / 1e9:7.3f}" for i in IMPLS) + "   "
+                      + "  ".join(f"{sel[i]['busbw'] / memcpy:6.1%}" for i in IMPLS))
+            for impl in IMPLS if len({r["bytes"] for r in rows}) >= 3 else ():  # a line needs a few sizes
+                pts = sorted((r["bytes"], r["seconds"]) for r in rows
+                             if r["world_size"] == n and r["op"] == op and r["impl"] == impl)
+                alpha, beta = fit_alpha_beta(*zip(*pts))
+                print(f"  alpha-beta fit, {impl:>5}: t = {alpha * 1e6:8.1f} us + S / ({1 / beta / 1e9:.3f} GB/s)")
+    print("\nring vs torch's built-in at 16 MiB (time(torch) / time(ring); > 1 means the ring is faster):")
+    for s in speedups(result):
+        print(f"  {s['world_size']} ranks  {s['op']:>14}: {s['speedup']:.2f}x  "
+              f"(ring {s['ring_s'] * 1e3:.1f} ms, torch {s['torch_s'] * 1e3:.1f} ms)")

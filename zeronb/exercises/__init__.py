@@ -1,0 +1,20 @@
+"""Checkers for the chapters' exercises: run the learner's function on real ranks, compare with
+torch.distributed (or a formula), and say precisely what is wrong - which rank, which chunk or
+element, what was expected and what came back.
+
+    from zeronb.exercises import check_all_reduce
+    check_all_reduce(my_all_reduce)      # prints a verdict; returns True when everything matches
+
+collectives.py checks the collectives and byte counts (chapters 3, 4, 8, 10); engines.py the
+exercises that build the stages' hooks inside real training steps (chapters 7, 9, 10, 12).
+
+A checker never raises for a wrong answer (the notebook keeps going); it raises only for misuse.
+A function that deadlocks is stopped by the pool's timeout and reported as such.
+"""
+from .checking import Verdict
+from .collectives import check_all_reduce, check_ring_all_gather, check_zero1_step, check_zero3_bytes
+from .engines import (check_accumulate_and_clip, check_bucketed_ddp, check_zero2_hooks,
+                      check_zero3_unit)
+
+__all__ = ["Verdict", "check_all_reduce", "check_ring_all_gather", "check_zero1_step", "check_zero3_bytes",
+           "check_bucketed_ddp", "check_zero2_hooks", "check_zero3_unit", "check_accumulate_and_clip"]

@@ -1,0 +1,191 @@
+"""Watching a stage from outside: timelines, memory and gradients, recorded by observers.
+
+A stage calls each of its observers as `observer(stage, event, where)` at the points below, and
+does nothing else for them: without observers nothing is timed, walked or recorded, and with
+them the algorithm runs exactly as it would without. An observer is any callable; the classes
+here are the ones the chapters and the train CLI use.
+
+Every stage (zeronb.zero.stage.Stage.train_step):
+    "forward pass", i          micro-batch i's forward is about to run
+    "backward pass", i         its loss is computed; backward is about to run
+    "backward pass done", i    its backward is done (the hooks below have fired)
+    "optimizer step", grads    the averaged gradients, one tensor per shard the optimizer updates
+    "step done", None
+
+Inside backward and the step, where a stage does it (`where` a parameter, a bucket or a unit):
+    "gradient ready", p                   DDP, ZeRO-2, ZeRO-3: p's gradient has landed
+    "all-reduce", bucket                  DDP: issued; `bucket.work` is in flight
+    "all-reduce done", bucket             DDP: waited for
+    "reduce-scatter", bucket/unit         begins (`bucket.comm` holds the full gradients)
+    "reduce-scatter done", bucket/unit
+    "all-gather", unit                    ZeRO-3: issued; `unit.work` is in flight
+    "gathered", unit/bucket               waited for: the full parameters are here
+    "forward", unit / "forward done", unit        ZeRO-3: the unit's forward
+    "backward", unit / "backward done", unit      ZeRO-3: the unit's backward (to its last gradient)
+    "freed", unit                         ZeRO-3: the full parameters are dropped
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from . import memory
+
+
+def key(stage, where):
+    """A plain name for what an event is about: a unit's index, a bucket's or a parameter's name,
+    a micro-batch's index."""
+    if isinstance(where, torch.Tensor):
+        return stage.names.get(where, "?")
+    if hasattr(where, "index") and hasattr(where, "module"):
+        return where.index
+    if hasattr(where, "params"):
+        return where.name
+    return where
+
+
+class Timeline:
+    """When each event happened on this rank, and when each collective in flight finished.
+
+    On the CPU a stamp is time.perf_counter() at the call, and a collective's end is stamped by a
+    callback on its future, which runs when the backend has completed it. On a GPU a stamp is a
+    CUDA event recorded on the current stream: it marks when the GPU reaches that point of the
+    queued work, not when Python got there; a collective's end is an event recorded on a stream of
+    the timeline's own that waits for the collective, so the stage's streams never wait for the
+    timeline. Nothing is synchronised during the step: the stamps are read afterwards.
+
+    `records()`: [(event, key, seconds since the step began)], in the order of the calls.
+    `spans()`: [(what, key, start, end)] - "forward" / "backward" of a unit, "all-gather (forward)"
+    or "(backward)" from its issue to its completion, "reduce-scatter", "all-reduce" of a bucket."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self._side = torch.cuda.Stream(self.device) if self.cuda else None
+        self.reset()
+
+    def reset(self) -> None:
+        self._marks, self._ends, self._futures, self._phase = [], [], [], "forward"
+
+    def _stamp(self, stream=None):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def __call__(self, stage, event, where):
+        if event == "forward pass" and where == 0:
+            self.reset()  # a new step: the timeline describes the latest step
+        if event in ("forward pass", "backward pass"):
+            self._phase = event.split()[0]
+        k = key(stage, where)
+        name = f"{event} ({self._phase})" if event == "all-gather" else event
+        self._marks.append((name, k, self._stamp()))
+        work = getattr(where, "work", None) if event in ("all-gather", "all-reduce") else None
+        if work is not None:
+            self._when_done(name, k, work)
+
+    def _when_done(self, name, k, work):
+        if self.cuda:
+            with torch.cuda.stream(self._side):
+                work.wait()  # this stream waits for the collective; the CPU does not
+                self._ends.append((name, k, self._stamp(self._side)))
+            return
+        try:
+            future = work.get_future()
+        except RuntimeError:  # a backend without futures: the end is when the stage waited
+            return
+        self._futures.append(future.then(lambda _: self._ends.append((name, k, time.perf_counter()))))
+
+    def _seconds(self, marks):
+        """The marks with their times in seconds since the first mark of the step."""
+        torch.futures.wait_all(self._futures)  # every end callback has run
+        if not self._marks:
+            return []
+        t0 = self._marks[0][2]
+        if self.cuda:
+            t0.synchronize()
+            for *_, e in marks:
+                e.synchronize()
+            return [(w, k, t0.elapsed_time(e) / 1e3) for w, k, e in marks]
+        return [(w, k, t - t0) for w, k, t in marks]
+
+    def records(self) -> list:
+        return self._seconds(self._marks)
+
+    def spans(self) -> list:
+        marks, ends = self.records(), self._seconds(self._ends)
+        begun, out = {}, []
+        for what, k, t in marks:
+            if what in ("forward", "backward", "reduce-scatter"):
+                begun[what, k] = t
+            elif what.endswith(" done") and (what[:-5], k) in begun:
+                out.append((what[:-5], k, begun.pop((what[:-5], k)), t))
+        issued = {}  # (collective, key) -> the times it was issued, oldest first
+        for what, k, t in marks:
+            if what.startswith(("all-gather", "all-reduce")) and not what.endswith("done"):
+                issued.setdefault((what, k), []).append(t)
+        for what, k, t in ends:
+            out.append((what, k, issued[what, k].pop(0), t))
+        if not ends:  # no completion stamps (a backend without futures): from the issue to the stage's wait
+            for what, k, t in marks:
+                if what in ("gathered", "all-reduce done"):
+                    pending = [w for w in issued if w[1] == k and issued[w]]
+                    if pending:
+                        out.append((pending[0][0], k, issued[pending[0]].pop(0), t))
+        return sorted(out, key=lambda s: (s[2], s[3]))
+
+
+class MemoryTrace:
+    """What the stage holds - bytes of parameters, gradients and optimizer state, each storage
+    counted once (zeronb.memory.measure) - at each event: [(event, key, {"params", "grads",
+    "optimizer"})]. The storage of the tensors the stage holds, not the allocator's view."""
+
+    def __init__(self, events=None):
+        self.events = None if events is None else set(events)
+        self.notes = []
+
+    def __call__(self, stage, event, where):
+        if event == "forward pass" and where == 0:
+            self.notes = []
+        if self.events is None or event in self.events:
+            self.notes.append((event, key(stage, where), memory.measure(**stage.state_tensors())))
+
+    def peak(self, part: str) -> int:
+        return max(held[part] for _, _, held in self.notes)
+
+
+class StepMemory:
+    """What the train CLI reports of a step's memory: the activations autograd saved in the last
+    micro-batch's forward (zeronb.memory.saved_activations, parameters left out), and the gradient
+    bytes the stage held after each micro-batch's backward (what accumulation costs)."""
+
+    def __init__(self):
+        self.activation_bytes, self.grad_bytes_after_micro_batch = None, []
+        self._counting = contextlib.ExitStack()
+
+    def __call__(self, stage, event, where):
+        if event == "forward pass":
+            if where == 0:
+                self.grad_bytes_after_micro_batch = []
+            self._saved = self._counting.enter_context(memory.saved_activations(exclude=stage.model.parameters))
+        elif event == "backward pass":
+            self._counting.close()  # forward only: what backward will need
+            self.activation_bytes = self._saved["bytes"]
+        elif event == "backward pass done":
+            self.grad_bytes_after_micro_batch.append(memory.tensor_bytes(stage.state_tensors()["grads"]))
+
+
+class Gradients:
+    """The averaged gradients the optimizer stepped with, as pieces of the parameters:
+    {name: (start, stop, values)} (Stage.shard_pieces), for comparing with one process."""
+
+    def __init__(self):
+        self.pieces = None
+
+    def __call__(self, stage, event, where):
+        if event == "optimizer step":
+            self.pieces = {n: (a, b, v.detach().clone()) for n, (a, b, v) in stage.shard_pieces(where).items()}

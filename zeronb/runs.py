@@ -1,0 +1,179 @@
+"""A training run, as data: what to run (`RunConfig`), and what each rank measured (`RankReport`)
+and the run as a whole (`RunReport`). `python -m zeronb.train`'s flags parse into a RunConfig;
+notebooks, tests, the exercises and the benchmarks build one with keywords:
+
+    report = zeronb.train.run(RunConfig(stage=3, model="gpt", dtype="float64", steps=5))
+    report.ranks[0].sent_bytes_per_step, report.params
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .models import WRAPS, Config
+from .precision import OPTIMIZERS, precision
+from .zero.config import REDUCE_SCATTERS, StageConfig
+
+REDUCE_DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class RunConfig:
+    stage: int = 0                  # 0 (DDP) .. 3
+    nproc: Optional[int] = None     # ranks of a new pool (None: 2, or the size of the pool given to run)
+    model: str = "mlp"              # "mlp" or "gpt" (zeronb.models)
+    dtype: str = "float32"          # "float32", "float64", "bf16-mixed" (zeronb.precision)
+    optimizer: str = "adam"         # "adam" or "sgd"
+    steps: int = 5
+    seed: int = 0
+    lr: float = 1e-3
+    global_batch: int = 16
+    impl: str = "zeronb"            # "zeronb", or "torch": PyTorch's DDP / ZeroRedundancyOptimizer / FSDP2
+    prefetch: bool = False          # stage 3: issue the next unit's all-gather before this unit computes
+    reshard_after_forward: bool = True  # stage 3: free a unit's parameters after its forward
+    wrap: str = "units"             # stage 3: the units gathered together (zeronb.models.choose_units)
+    grad_accum: int = 1             # micro-batches per rank and step
+    accum_sync: str = "every"       # with grad_accum: communicate gradients after "every" micro-batch or the "last"
+    clip: Optional[float] = None    # clip the whole model's gradient to this 2-norm
+    reduce_dtype: Optional[str] = None   # None (the gradients' own), "fp32" or "bf16"
+    reduce_scatter: str = "torch"   # "torch" (the backend's) or "ring" (zeronb's)
+    activation_checkpointing: bool = False
+    shard_size: Optional[int] = None     # shard over groups of this many ranks, replicate across them (HSDP)
+    checkpoint: Optional[str] = None     # save a sharded checkpoint here at the end
+    resume: Optional[str] = None         # load one saved there and train on to `steps` in all
+    trace: bool = False             # the last step's timeline and memory trace, in the report
+    timeout: float = 600            # seconds for the whole run on a pool
+
+    def __post_init__(self):
+        problems = self.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings, each saying what to do (empty: nothing)."""
+        bad = []
+
+        def choice(name, value, options):
+            if value not in options:
+                bad.append(f"{name} must be one of {', '.join(map(str, options))}, not {value!r}")
+
+        choice("stage", self.stage, (0, 1, 2, 3))
+        choice("model", self.model, ("mlp", "gpt"))
+        choice("dtype", self.dtype, ("float32", "float64", "bf16-mixed"))
+        choice("optimizer", self.optimizer, OPTIMIZERS)
+        choice("impl", self.impl, ("zeronb", "torch"))
+        choice("wrap", self.wrap, WRAPS)
+        choice("accum_sync", self.accum_sync, ("every", "last"))
+        choice("reduce_dtype", self.reduce_dtype, tuple(REDUCE_DTYPES))
+        choice("reduce_scatter", self.reduce_scatter, REDUCE_SCATTERS)
+        if self.nproc is not None and (not isinstance(self.nproc, int) or self.nproc < 1):
+            bad.append(f"nproc must be a positive number of ranks, not {self.nproc!r}")
+        if self.steps < 1:
+            bad.append("steps must be at least 1")
+        if self.clip is not None and not self.clip > 0:
+            bad.append(f"clip must be a positive norm, not {self.clip}")
+        if self.grad_accum < 1 or self.global_batch % self.grad_accum:
+            bad.append(f"grad_accum must be a positive divisor of global_batch ({self.global_batch}), not {self.grad_accum}")
+        if self.impl == "torch" and self.dtype == "bf16-mixed":
+            bad.append("impl 'torch' runs float32 or float64 (the comparison is about the algorithm, not precision)")
+        if self.impl == "torch" and (self.prefetch or not self.reshard_after_forward or self.wrap != "units"
+                                     or self.reduce_scatter != "torch"):
+            bad.append("prefetch, reshard_after_forward, wrap and reduce_scatter choose among zeronb's own "
+                       "stages; impl 'torch' picks PyTorch's by stage")
+        if self.stage != 3 and (self.prefetch or not self.reshard_after_forward or self.wrap != "units"):
+            bad.append("prefetch, reshard_after_forward and wrap are stage 3's settings")
+        if self.shard_size is not None and (self.shard_size < 1 or (self.nproc and self.nproc % self.shard_size)):
+            bad.append(f"shard_size must divide the number of ranks ({self.nproc}), not {self.shard_size}")
+        if self.shard_size is not None and (self.checkpoint or self.resume):
+            bad.append("checkpoints of runs with replicas (shard_size) are not supported; save from a run sharded "
+                       "over all of its ranks")
+        if self.resume is not None and not bad:
+            bad += self._resume_problems()
+        return bad
+
+    def _resume_problems(self) -> list[str]:
+        from . import checkpoint
+
+        try:
+            info = checkpoint.read_info(self.resume)
+            checkpoint.check_compatible(info, self.settings())
+        except (FileNotFoundError, ValueError) as e:
+            return [f"resume: {e}"]
+        if info["steps_done"] >= self.steps:
+            return [f"resume: the checkpoint has taken {info['steps_done']} steps already; steps counts the total, "
+                    f"so ask for more than {info['steps_done']}"]
+        return []
+
+    def settings(self) -> dict:
+        """What a checkpoint records of the run (a resume must share checkpoint.STRUCTURE)."""
+        return {k: getattr(self, k) for k in ("stage", "impl", "model", "dtype", "optimizer", "seed",
+                                              "global_batch", "lr")}
+
+    def model_config(self) -> Config:
+        return Config(kind=self.model, seed=self.seed, global_batch=self.global_batch)
+
+    def torch_dtype(self) -> torch.dtype:
+        return precision(self.dtype).dtype
+
+    def stage_config(self, shard_group=None, replica_group=None) -> StageConfig:
+        return StageConfig(precision=self.dtype, optimizer=self.optimizer, lr=self.lr, clip_norm=self.clip,
+                           reduce_dtype=REDUCE_DTYPES[self.reduce_dtype],
+                           sync_each_micro_batch=self.accum_sync == "every", reduce_scatter=self.reduce_scatter,
+                           shard_group=shard_group, replica_group=replica_group)
+
+    def replace(self, **changes) -> "RunConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class RankReport:
+    """What one rank measured. Bytes held are between steps, after the last; bytes sent and calls
+    are the last step's."""
+    rank: int
+    device: str
+    num_params: int
+    steps_taken: int                 # fewer than steps after a resume
+    final_loss: float                # of the global batch (the ranks' local losses, averaged)
+    step_ms: float                   # median, leaving out the first step (warm-up) and an observed last one
+    bytes: dict                      # {"params", "grads", "optimizer"}: storage the rank holds (zeronb.memory.measure)
+    expected_bytes: dict             # what zeronb.memory's formula says it should
+    sent_bytes_per_step: dict        # logical bytes per collective (zeronb.ledger)
+    calls_per_step: dict
+    wire_bytes_per_step: Optional[int] = None   # what the OS counted on gloo's connections (None: NCCL, not Linux)
+    grad_norm: Optional[float] = None           # the gradient norm before clipping (with clip)
+    activation_bytes: Optional[int] = None      # saved by autograd in the last micro-batch's forward
+    grad_bytes_after_micro_batch: Optional[list] = None  # gradients held after each micro-batch's backward
+    cuda_allocated: Optional[int] = None        # on a GPU: torch.cuda's allocated bytes now, and the peak
+    cuda_peak: Optional[int] = None
+    grads: Optional[dict] = None     # {name: (start, stop, values)}: the averaged gradient the last step used
+    timeline: Optional[list] = None  # with trace: (what, key, start, end) of the last step (zeronb.observe)
+    events: Optional[list] = None    # with trace: (event, key, seconds) of the last step
+    memory_trace: Optional[list] = None  # with trace: (event, key, bytes held) at each event of the last step
+    params: Optional[dict] = None    # {name: full tensor} after training
+
+    def to_json(self) -> dict:
+        """Plain data: everything but the tensors."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("params", "grads")}
+
+
+@dataclass
+class RunReport:
+    config: RunConfig
+    world_size: int
+    ranks: list = field(default_factory=list)   # RankReport per rank
+    params: Optional[dict] = None               # {name: full tensor}, rank 0's
+
+    @property
+    def final_loss(self) -> float:
+        return self.ranks[0].final_loss
+
+    @property
+    def num_params(self) -> int:
+        return self.ranks[0].num_params
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self.config), "world_size": self.world_size, "num_params": self.num_params,
+                "final_loss": self.final_loss, "ranks": [r.to_json() for r in self.ranks]}

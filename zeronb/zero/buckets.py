@@ -1,0 +1,137 @@
+"""Buckets: parameters in one flat tensor, and the state of their gradients during a step.
+
+A *bucket* lays a group of parameters out one after another in one flat tensor, padded with zeros
+to a multiple of the number of shards N (zeronb.shards' rule); each parameter becomes a view into
+it. A flat tensor is what collectives want - one all-reduce, reduce-scatter or all-gather per
+bucket instead of one per parameter - and chunk r of it is rank r's shard.
+
+During backward a bucket also keeps track of its gradients: which have landed (`ready`), the
+collective in flight (`work`, carrying the flat tensor `comm`), and where the result goes (`grad`,
+a flat buffer of the full gradients, for DDP and ZeRO-1; `grad_shard`, this rank's chunk of the
+summed gradients, for ZeRO-2 and ZeRO-3).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..collectives import ring_reduce_scatter
+from ..compat import reduce_scatter_single
+from ..shards import padded_numel
+
+
+class Bucket:
+    """Parameters in one flat tensor, padded to a multiple of `shards`.
+
+    `data` is the flat tensor; each parameter's `.data` becomes a view into it. `chunk(r)` is
+    rank r's chunk of it; `numel` counts real elements, `padded` includes the padding."""
+
+    def __init__(self, params: list, shards: int, name: str = ""):
+        self.params = list(params)
+        self.name = name
+        self.numel = sum(p.numel() for p in self.params)
+        self.padded = padded_numel(self.numel, shards)
+        self.chunk_numel = self.padded // shards
+        first = self.params[0]
+        self.data = torch.zeros(self.padded, dtype=first.dtype, device=first.device)
+        self.offsets = []
+        offset = 0
+        for p in self.params:
+            self.offsets.append(offset)
+            self.data[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.data[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        # the gradients, during a step
+        self.ready = set()       # parameters whose gradient has landed in this backward
+        self.grad = None         # the full gradients, flat (DDP, ZeRO-1): `keep_grads_flat`
+        self.grad_shard = None   # this rank's chunk of the summed gradients (ZeRO-2, ZeRO-3)
+        self.comm = None         # the flat tensor a collective is carrying
+        self.work = None         # that collective, while it is in flight
+
+    def chunk(self, rank: int, flat: torch.Tensor = None) -> torch.Tensor:
+        """Rank `rank`'s chunk of `flat` (default: of the parameters)."""
+        flat = self.data if flat is None else flat
+        return flat[rank * self.chunk_numel:(rank + 1) * self.chunk_numel]
+
+    def views(self, flat: torch.Tensor) -> list:
+        """Each parameter's slice of another flat tensor laid out like this bucket (e.g. gradients)."""
+        return [flat[o:o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
+
+    def keep_grads_flat(self) -> None:
+        """Give the bucket one flat gradient buffer, `grad`, and make each parameter's `.grad` a
+        view into it: autograd then accumulates straight into the buffer, and a collective can
+        take it as it is."""
+        self.grad = torch.zeros_like(self.data)
+        for p, g in zip(self.params, self.views(self.grad)):
+            p.grad = g
+
+    def mark_ready(self, p) -> bool:
+        """Note that `p`'s gradient has landed; True when it was the bucket's last."""
+        self.ready.add(p)
+        return len(self.ready) == len(self.params)
+
+    def reset(self) -> None:
+        """A new backward: no gradient has landed yet."""
+        self.ready.clear()
+
+    def flatten_grads(self) -> torch.Tensor:
+        """The parameters' gradients copied into one padded flat tensor (a missing gradient is zeros)."""
+        flat = torch.zeros(self.padded, dtype=self.data.dtype, device=self.data.device)
+        for p, o in zip(self.params, self.offsets):
+            if p.grad is not None:
+                flat[o:o + p.numel()].copy_(p.grad.reshape(-1))
+        return flat
+
+    def take_grads(self) -> torch.Tensor:
+        """The gradients moved into one flat tensor: `flatten_grads`, and each parameter's `.grad`
+        dropped, so that they exist once."""
+        flat = self.flatten_grads()
+        for p in self.params:
+            p.grad = None
+        return flat
+
+    def pieces(self, flat: torch.Tensor, names: dict, rank: int | None = None) -> dict:
+        """What `flat` - chunk `rank` of a tensor laid out like this bucket, or (rank None) all of
+        it - holds, parameter by parameter: {name: (start, stop, values)}, start and stop counted
+        in the flattened parameter. (A parameter may be cut between two ranks' chunks.)"""
+        lo, hi = (0, self.padded) if rank is None else (rank * self.chunk_numel, (rank + 1) * self.chunk_numel)
+        flat_chunk = flat
+        out = {}
+        for p, o in zip(self.params, self.offsets):
+            a, b = max(lo, o), min(hi, o + p.numel())
+            if a < b:
+                out[names[p]] = (a - o, b - o, flat_chunk[a - lo:b - lo])
+        return out
+
+
+def make_buckets(params: list, shards: int, bucket_bytes: int | None) -> list[Bucket]:
+    """Group parameters into buckets of about `bucket_bytes`, in *backward* order (the last layer's
+    parameters get their gradients first, so their bucket is ready first). None: one bucket."""
+    params = [p for p in params if p.requires_grad]
+    if bucket_bytes is None:
+        return [Bucket(params, shards, "all")]
+    groups, current, size = [], [], 0
+    for p in reversed(params):
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= bucket_bytes:
+            groups.append(current)
+            current, size = [], 0
+    if current:
+        groups.append(current)
+    # inside a bucket keep forward order, so that its flat layout reads like the model
+    return [Bucket(list(reversed(group)), shards, f"bucket{i}") for i, group in enumerate(groups)]
+
+
+def reduce_scatter_into(shard: torch.Tensor, full: torch.Tensor, *, dtype: torch.dtype | None = None,
+                        group=None, ring: bool = False) -> None:
+    """Add this rank's chunk of the sum over `group` of `full` (a padded flat tensor) into `shard`.
+    The bytes travel in `dtype` (None: `full`'s own), through the backend's reduce-scatter or, with
+    `ring`, zeronb's. Added, not copied: with gradient accumulation each micro-batch's sum lands
+    on top of the earlier ones."""
+    send = full if dtype in (None, full.dtype) else full.to(dtype)
+    if ring:
+        received = ring_reduce_scatter(send, group=group)
+    else:
+        received = send.new_empty(shard.numel())
+        reduce_scatter_single(received, send, group=group)
+    shard.add_(received)
