@@ -1,5 +1,6 @@
-"""Shared by the tests: one clean build of the whole book per test session, and the record of how
-long each injected fault took to surface (printed as a table at the end of the run)."""
+"""Shared by the tests: one gloo pool of each size for the whole session, one clean build of the
+whole book, and the record of how long each injected fault took to surface (printed as a table at
+the end of the run)."""
 import os
 import pathlib
 import subprocess
@@ -19,6 +20,25 @@ def toc_files() -> list[str]:
     for part in toc.get("parts", []):
         files += [c["file"] for c in part["chapters"]]
     return files
+
+
+@pytest.fixture(scope="session")
+def gloo_pool():
+    """`gloo_pool(n)`: a running gloo pool of n ranks, started once for the whole session and shared.
+    A test must leave it usable: tests that break a pool on purpose, or need other settings, start
+    their own. (A call that fails restarts the pool on the next call anyway.)"""
+    from zeronb import Cluster
+
+    pools = {}
+
+    def get(n: int):
+        if n not in pools or pools[n].closed:
+            pools[n] = Cluster(n, backend="gloo", verbose=False)
+        return pools[n]
+
+    yield get
+    for c in pools.values():
+        c.close()
 
 
 @pytest.fixture(scope="session")
