@@ -24,7 +24,7 @@ def test_rank_device():
 
 
 def _single_collectives(numel):
-    from zeronb.backend import all_gather_single, reduce_scatter_single
+    from zeronb.compat import all_gather_single, reduce_scatter_single
 
     r, n = dist.get_rank(), dist.get_world_size()
     shard = torch.arange(numel, dtype=torch.float64) + 100 * r
@@ -36,9 +36,9 @@ def _single_collectives(numel):
     return gathered, mine
 
 
-def test_version_shims_gather_and_scatter():
-    with Cluster(2, backend="gloo", verbose=False) as c:
-        res = c.run(_single_collectives, 3, echo=False)
+def test_version_shims_gather_and_scatter(gloo_pool):
+    c = gloo_pool(2)
+    res = c.run(_single_collectives, 3, echo=False)
     n, numel = 2, 3
     want_gathered = torch.cat([torch.arange(numel, dtype=torch.float64) + 100 * r for r in range(n)])
     total = sum(r + 1 for r in range(n))

@@ -53,12 +53,14 @@ def test_bench_zero_measures_accumulation_and_bf16_reduction_per_stage():
                       p.stdout, re.M)
     got = {(int(stage), variant): dict(zip(("sent", "x_sent", "wire", "x_wire", "between", "per_psi", "ms"), values))
            for stage, variant, *values in rows}
-    assert len(got) == 15, p.stdout  # 4 stages x 4 variants, less ZeRO-1's "every" (it has no such choice)
+    assert len(got) == 16, p.stdout  # 4 stages x 4 variants
     for stage in range(4):
         assert float(got[stage, "bf16 reduce"]["x_sent"]) < 0.9  # the gradients' bytes halve
         assert got[stage, "plain"]["between"] == "-" and got[stage, "accum 4, last"]["between"] != "-"
     assert float(got[0, "accum 4, every"]["x_sent"]) == 4.0 and float(got[0, "accum 4, last"]["x_sent"]) == 1.0
     assert float(got[0, "bf16 reduce"]["x_sent"]) == 0.5
+    # ZeRO-1 syncing every micro-batch: 4 reduce-scatters and 1 all-gather where the plain step has one of each
+    assert float(got[1, "accum 4, every"]["x_sent"]) == 2.5 and float(got[1, "accum 4, last"]["x_sent"]) == 1.0
     # ZeRO-2 and ZeRO-3: syncing every micro-batch holds shards between micro-batches, the other the whole gradient
     for stage in (2, 3):
         assert float(got[stage, "accum 4, every"]["per_psi"]) < 0.6 <= 1.0 <= float(got[stage, "accum 4, last"]["per_psi"])

@@ -15,11 +15,9 @@ import zeronb
 from zeronb import Cluster, RankError
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with Cluster(world_size=4, backend="gloo", verbose=False) as c:
-        yield c
-
+@pytest.fixture
+def pool(gloo_pool):
+    return gloo_pool(4)
 
 
 # --- running code on the ranks ---------------------------------------------------------------
@@ -38,10 +36,27 @@ def test_results_are_per_rank_and_the_group_is_real(pool):
     assert len(pids) == 4 and os.getpid() not in pids and pids == set(pool.pids)
 
 
+def _remember_the_group():
+    """Keep a reference to the rank's default group (so that it cannot be freed and replaced by
+    another at the same address), and say how many groups the rank has made so far."""
+    import zeronb
+
+    zeronb._remembered_group = dist.group.WORLD
+    return os.getpid(), dist.get_pg_count()
+
+
+def _still_the_same_group():
+    import zeronb
+
+    return os.getpid(), dist.get_pg_count(), zeronb._remembered_group is dist.group.WORLD
+
+
 def test_the_process_group_is_created_once_and_reused(pool):
-    ids = pool.run(lambda: (os.getpid(), id(dist.group.WORLD)), echo=False)
-    again = pool.run(lambda: (os.getpid(), id(dist.group.WORLD)), echo=False)
-    assert list(ids) == list(again)
+    first = pool.run(_remember_the_group, echo=False)
+    later = pool.run(_still_the_same_group, echo=False)
+    assert len(first) == len(later) == 4
+    for (pid, groups), (pid_later, groups_later, same) in zip(first, later):
+        assert pid == pid_later and groups == groups_later and same
 
 
 def test_closures_and_classes_from_main_are_shipped_by_value(pool):

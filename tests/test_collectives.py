@@ -3,7 +3,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zeronb import Cluster
 
 SIZES = (1, 5, 1024, 49152, 1_000_003)
 DTYPES = (torch.float32, torch.float64)
@@ -11,7 +10,7 @@ DTYPES = (torch.float32, torch.float64)
 
 def _parity(sizes, dtypes, segment_bytes):
     from zeronb import collectives as C
-    from zeronb.backend import all_gather_single
+    from zeronb.compat import all_gather_single
     from zeronb.shards import bounds, chunk_size
 
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -53,10 +52,10 @@ def _parity(sizes, dtypes, segment_bytes):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_parity_with_torch_distributed(n):
+def test_parity_with_torch_distributed(gloo_pool, n):
     # small segments, so that the pipeline (several segments per chunk) is exercised too
-    with Cluster(n, backend="gloo", verbose=False) as c:
-        res = c.run(_parity, SIZES, DTYPES, 64 << 10, echo=False, timeout=300)
+    c = gloo_pool(n)
+    res = c.run(_parity, SIZES, DTYPES, 64 << 10, echo=False, timeout=300)
     for rank_rows in res:
         for row in rank_rows:
             tol = 1e-6 if row["dtype"] == "torch.float32" else 1e-14  # summation order only
@@ -69,6 +68,7 @@ def test_parity_with_torch_distributed(n):
 def _scratch_kept():
     from zeronb import collectives as C
 
+    C._kept.clear()  # (the shared pool ran larger collectives before: start from no scratch)
     rank, n = dist.get_rank(), dist.get_world_size()
     sums = []
     for numel in (4096, 4096, 1024, 40_000, 4096):  # the same size again, smaller, then larger
@@ -83,13 +83,37 @@ def _scratch_kept():
     return sums, reused, C._kept[torch.float32].numel() == 4 * 40_000 // n
 
 
-def test_ring_scratch_is_kept_between_calls_and_grows_when_needed():
+def test_ring_scratch_is_kept_between_calls_and_grows_when_needed(gloo_pool):
     # a fresh scratch buffer each call took about a thousand page faults per 16 MiB all-reduce
-    with Cluster(4, backend="gloo", verbose=False) as c:
-        res = c.run(_scratch_kept, echo=False)
+    c = gloo_pool(4)
+    res = c.run(_scratch_kept, echo=False)
     for sums, reused, grown in res:
         assert sums == [[10.0]] * 10  # 1 + 2 + 3 + 4, whatever the buffer held before
         assert reused and grown
+
+
+def _in_groups(numel):
+    """Rings over the pairs {0, 1} and {2, 3} of 4 ranks, against torch's collectives over the same pairs."""
+    from zeronb import collectives as C
+    from zeronb.compat import reduce_scatter_single
+    from zeronb.zero import sharding_groups
+
+    pair, _ = sharding_groups(2)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(dist.get_rank()), dtype=torch.float64)
+    ref = x.clone()
+    dist.all_reduce(ref, group=pair)
+    half = numel // 2
+    ref_rs = x.new_empty(half)
+    reduce_scatter_single(ref_rs, x, group=pair)
+    mine = dist.get_rank(pair)
+    return ((C.ring_all_reduce(x.clone(), group=pair) - ref).abs().max().item(),
+            (C.ring_reduce_scatter(x, group=pair) - ref_rs).abs().max().item(),
+            torch.equal(C.ring_all_gather(ref[mine * half:(mine + 1) * half].clone(), numel, group=pair), ref))
+
+
+def test_rings_over_a_subgroup_equal_torch_distributed_over_it(gloo_pool):
+    for ar, rs, ag in gloo_pool(4).run(_in_groups, 1 << 12, echo=False):
+        assert ar <= 1e-14 and rs <= 1e-14 and ag
 
 
 def _bfloat16():
@@ -99,14 +123,14 @@ def _bfloat16():
     return ring_all_reduce(x).unique().tolist()
 
 
-def test_bfloat16():
-    with Cluster(4, backend="gloo", verbose=False) as c:
-        assert c.run(_bfloat16, echo=False) == [[10.0]] * 4  # small integers: exact in bfloat16
+def test_bfloat16(gloo_pool):
+    c = gloo_pool(4)
+    assert c.run(_bfloat16, echo=False) == [[10.0]] * 4  # small integers: exact in bfloat16
 
 
 def _ledger_bytes(numel, dtype):
     from zeronb import collectives as C
-    from zeronb.backend import all_gather_single, reduce_scatter_single
+    from zeronb.compat import all_gather_single, reduce_scatter_single
     from zeronb.ledger import CommLedger
     from zeronb.shards import bounds
 
@@ -131,11 +155,11 @@ def _ledger_bytes(numel, dtype):
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_ledger_bytes_are_exact(n):
+def test_ledger_bytes_are_exact(gloo_pool, n):
     numel, elem = 12 * 1024, 4  # divisible by 2, 3 and 4
     S = numel * elem
-    with Cluster(n, backend="gloo", verbose=False) as c:
-        res = c.run(_ledger_bytes, numel, torch.float32, echo=False)
+    c = gloo_pool(n)
+    res = c.run(_ledger_bytes, numel, torch.float32, echo=False)
     for rank, got in enumerate(res):
         assert got["ring_all_reduce"] == {"ring_all_reduce": 2 * (n - 1) * S // n}
         assert got["ring_reduce_scatter"] == {"ring_reduce_scatter": (n - 1) * S // n}
@@ -161,9 +185,9 @@ def _bad_inputs():
     return errors
 
 
-def test_bad_input_gets_a_clear_error():
-    with Cluster(2, backend="gloo", verbose=False) as c:
-        res = c.run(_bad_inputs, echo=False)
+def test_bad_input_gets_a_clear_error(gloo_pool):
+    c = gloo_pool(2)
+    res = c.run(_bad_inputs, echo=False)
     assert "shard of 5 elements" in res[0][0] and "not 3" in res[0][0]
     assert res[0][1].startswith("TypeError") and "floating-point" in res[0][1]
 

@@ -15,7 +15,7 @@ def pool():
 
 
 def good_all_reduce(t):
-    from zeronb.backend import all_gather_single, reduce_scatter_single
+    from zeronb.compat import all_gather_single, reduce_scatter_single
 
     shard = t.new_empty(t.numel() // dist.get_world_size())
     reduce_scatter_single(shard, t)
@@ -25,7 +25,7 @@ def good_all_reduce(t):
 
 
 def forgot_the_gather(t):  # returns the reduced shard in place of the whole tensor
-    from zeronb.backend import reduce_scatter_single
+    from zeronb.compat import reduce_scatter_single
 
     out = t.clone()
     shard = t.new_empty(t.numel() // dist.get_world_size())
@@ -58,7 +58,7 @@ def ring_all_gather(shard, numel):
 
 
 def gather_with_the_collective(shard, numel):  # right result, but not a ring of sends
-    from zeronb.backend import all_gather_single
+    from zeronb.compat import all_gather_single
 
     out = shard.new_empty(numel)
     all_gather_single(out, shard)
@@ -93,7 +93,7 @@ def test_ring_all_gather_checker():
 
 
 def zero1_step(params, grads, lr):
-    from zeronb.backend import all_gather_single, reduce_scatter_single
+    from zeronb.compat import all_gather_single, reduce_scatter_single
 
     n, r = dist.get_world_size(), dist.get_rank()
     shard = params.new_empty(params.numel() // n)
@@ -106,7 +106,7 @@ def zero1_step(params, grads, lr):
 
 
 def zero1_no_average(params, grads, lr):
-    from zeronb.backend import all_gather_single, reduce_scatter_single
+    from zeronb.compat import all_gather_single, reduce_scatter_single
 
     n, r = dist.get_world_size(), dist.get_rank()
     shard = params.new_empty(params.numel() // n)
@@ -196,7 +196,7 @@ def test_bucketed_ddp_checker():
 
 def zero2_hooks(add=True, free=True):
     def my_zero2_hooks(buckets, grad_shards):
-        from zeronb.backend import reduce_scatter_single
+        from zeronb.compat import reduce_scatter_single
 
         pending = [set(b.params) for b in buckets]
         owner = {p: i for i, b in enumerate(buckets) for p in b.params}
@@ -234,7 +234,7 @@ def test_zero2_hooks_checker():
 
 def zero3_unit(free_after_forward=True, average=False):
     def my_zero3_unit(unit, flat, shard, grad_shard):
-        from zeronb.backend import all_gather_single, reduce_scatter_single
+        from zeronb.compat import all_gather_single, reduce_scatter_single
 
         nbytes, storage, pending = flat.padded * flat.data.element_size(), flat.data.untyped_storage(), set()
 
@@ -282,7 +282,7 @@ def test_zero3_unit_checker():
 
 def accumulate_and_clip(scope="global", mean=True, gather=False):
     def my_accumulate_and_clip(micro_grads, max_norm):
-        from zeronb.backend import all_gather_single, reduce_scatter_single
+        from zeronb.compat import all_gather_single, reduce_scatter_single
 
         n, k = dist.get_world_size(), len(micro_grads)
         shard = micro_grads[0].new_zeros(micro_grads[0].numel() // n)

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from IPython.display import HTML  # noqa: E402
 
-from zeronb import Cluster, viz  # noqa: E402
+from zeronb import viz  # noqa: E402
 from zeronb.shards import chunk_size  # noqa: E402
 
 NUMEL = 10          # not a multiple of 3 or 4: the padded last chunk is traced like the others
@@ -55,11 +55,9 @@ def _record(numel):
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"N{n}")
-def traced(request):
+def traced(request, gloo_pool):
     n = request.param
-    with Cluster(world_size=n, backend="gloo", verbose=False) as c:
-        res = c.run(_record, NUMEL, echo=False)
-    return n, list(res)
+    return n, list(gloo_pool(n).run(_record, NUMEL, echo=False))
 
 
 def _summaries(res, key):

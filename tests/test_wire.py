@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zeronb import Cluster
+from zeronb.runs import RunConfig
+from zeronb.train import max_diff, run_many
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_INFO is Linux's")
 
@@ -15,7 +16,7 @@ FRAMING = 0.005  # gloo's message headers: well under 0.5 % of a megabyte-sized 
 
 
 def _measure(op, numel):
-    from zeronb.backend import reduce_scatter_single
+    from zeronb.compat import reduce_scatter_single
     from zeronb.collectives import ring_all_reduce
     from zeronb.ledger import CommLedger
 
@@ -30,10 +31,9 @@ def _measure(op, numel):
     return ledger.bytes_sent, ledger.wire_bytes, len(ledger._wire.by_connection)
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4])
-def pool(request):
-    with Cluster(request.param, backend="gloo", verbose=False) as c:
-        yield c
+@pytest.fixture(params=[2, 3, 4])
+def pool(request, gloo_pool):
+    return gloo_pool(request.param)
 
 
 @pytest.mark.parametrize("op", ["ring_all_reduce", "all_reduce"])
@@ -67,34 +67,22 @@ def test_no_traffic_no_bytes(pool):
     assert pool.run(_nothing_sent, echo=False) == [0] * pool.world_size
 
 
-def _stages_on_the_wire():
-    from zeronb.backend import ring_reduce_scatter
-    from zeronb.train import parse_args, train_rank
-
-    out = {}
-    for stage in range(4):
-        args = parse_args(["--model", "mlp", "--stage", str(stage), "--steps", "2", "--dtype", "float64"])
-        rep = train_rank(args)
-        with ring_reduce_scatter():
-            ring = train_rank(args)
-        out[stage] = (sum(rep["sent_bytes_per_step"].values()), rep["wire_bytes_per_step"],
-                      ring["wire_bytes_per_step"], rep["params"], ring["params"])
-    return out
-
-
-def test_each_stage_on_the_wire_with_gloo_and_with_a_ring_reduce_scatter():
+def test_each_stage_on_the_wire_with_gloo_and_with_a_ring_reduce_scatter(gloo_pool):
     n = 4
-    with Cluster(n, backend="gloo", verbose=False) as c:
-        res = c.run(_stages_on_the_wire, echo=False)
+    runs = run_many([RunConfig(model="mlp", stage=stage, steps=2, dtype="float64", reduce_scatter=rs)
+                     for stage in range(4) for rs in ("torch", "ring")], gloo_pool(n))
+    by = {(r.config.stage, r.config.reduce_scatter): r for r in runs}
     small = 0.06  # a small model's training step sends many small messages: headers weigh more
-    for rank_res in res:
-        ddp_wire = rank_res[0][1]
-        for stage, (logical, wire, wire_ring, p_gloo, p_ring) in rank_res.items():
+    for rank in range(n):
+        ddp_wire = by[0, "torch"].ranks[rank].wire_bytes_per_step
+        for stage in range(4):
+            gloo, ring = by[stage, "torch"].ranks[rank], by[stage, "ring"].ranks[rank]
+            logical, wire, wire_ring = sum(gloo.sent_bytes_per_step.values()), gloo.wire_bytes_per_step, ring.wire_bytes_per_step
             assert logical <= wire_ring <= logical * (1 + small), (stage, logical, wire_ring)
             if stage in (1, 2):  # gloo's reduce-scatter is an all-reduce: 2 + 1 shards' worth, not 1 + 1
                 assert 1.45 < wire / logical < 1.6, (stage, wire, logical)
                 assert abs(wire_ring / ddp_wire - 1) < 0.03  # with a real reduce-scatter: DDP's bytes
             if stage == 0:
                 assert logical <= wire <= logical * (1 + small)
-            for k in p_gloo or {}:  # rank 0 has them: the same training (the ring adds in another order)
-                assert (p_gloo[k] - p_ring[k]).abs().max().item() < 1e-12
+            # the same training (the ring adds in another order)
+            assert max_diff(by[stage, "torch"].params, by[stage, "ring"].params) < 1e-12

@@ -54,7 +54,7 @@ PRECISIONS = {p.name: p for p in (Precision("float32", torch.float32, False),
 
 def precision(name: str) -> Precision:
     if name not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {name!r}")
+        raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, not {name!r}")
     return PRECISIONS[name]
 
 

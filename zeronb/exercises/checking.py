@@ -84,7 +84,7 @@ def _compare(name, rank, got, want, dtype, chunks=None):
 
 def _inputs(rank, numel, dtype):
     """Inside a rank: rank `rank`'s test tensor, on this rank's device (the same values on any)."""
-    from .backend import device
+    from ..backend import device
 
     g = torch.Generator().manual_seed(7919 * (rank + 1) + numel)
     return torch.randn(numel, generator=g, dtype=torch.float64).to(device=device(), dtype=dtype)
