@@ -4,7 +4,8 @@
 2. the GPU tests (tests/test_gpu.py: NCCL on as many GPUs as there are, up to 4);
 3. every chapter through nbval (the chapters use 2-6 ranks: NCCL where there are that many GPUs,
    gloo on the CPU otherwise, as each chapter's first output says);
-4. the train CLI for every stage on min(GPUs, 4) ranks against one process on the whole batch.
+4. the train CLI for every stage, both impls, Adam and SGD, on min(GPUs, 4) ranks against one
+   process on the whole batch.
 Then a table: each step, the backend and devices it used, whether it passed, and its figures.
 """
 import json
@@ -79,34 +80,36 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if "train" not in parts:
             return _table(rows)
-        common = ["--model", "gpt", "--dtype", "float64", "--steps", "3"]
-        p, s = sh("-m", "zeronb.train", "--nproc", "1", "--stage", "0", *common,
-                  "--save-params", f"{tmp}/ref.pt", "--report", f"{tmp}/ref.json")
-        ref = torch.load(f"{tmp}/ref.pt") if p.returncode == 0 else None
-        rows.append(("train, 1 process", choose_backend(1)[0], _devices(f"{tmp}/ref.json"), p.returncode == 0,
-                     _figures(f"{tmp}/ref.json") if p.returncode == 0 else p.stderr[-300:], s))
-        for stage in range(4):
-            for impl in ("zeronb", "torch"):
-                p, s = sh("-m", "zeronb.train", "--nproc", str(n), "--stage", str(stage), "--impl", impl, *common,
-                          "--save-params", f"{tmp}/p.pt", "--report", f"{tmp}/r.json")
-                good, figures = p.returncode == 0 and ref is not None, p.stderr[-300:]
-                if good:
-                    got = torch.load(f"{tmp}/p.pt")
-                    err = max((got[k] - ref[k]).abs().max().item() for k in ref)
-                    good = err <= 1e-10
-                    figures = f"max |diff| vs 1 process {err:.1e}; " + _figures(f"{tmp}/r.json")
-                rows.append((f"train, stage {stage} {impl}", choose_backend(n)[0], _devices(f"{tmp}/r.json"),
-                             good, figures, s))
+        from zeronb.parity import max_diff
+
+        for optimizer in ("adam", "sgd"):
+            common = ["--model", "gpt", "--dtype", "float64", "--steps", "3", "--optimizer", optimizer]
+            p, s = sh("-m", "zeronb.train", "--nproc", "1", "--stage", "0", *common,
+                      "--save-params", f"{tmp}/ref.pt", "--report", f"{tmp}/ref.json")
+            ref = torch.load(f"{tmp}/ref.pt") if p.returncode == 0 else None
+            rows.append((f"train, 1 process, {optimizer}", choose_backend(1)[0], _devices(f"{tmp}/ref.json"),
+                         p.returncode == 0, _figures(f"{tmp}/ref.json") if p.returncode == 0 else p.stderr[-300:], s))
+            for stage in range(4):
+                for impl in ("zeronb", "torch"):
+                    p, s = sh("-m", "zeronb.train", "--nproc", str(n), "--stage", str(stage), "--impl", impl, *common,
+                              "--save-params", f"{tmp}/p.pt", "--report", f"{tmp}/r.json")
+                    good, figures = p.returncode == 0 and ref is not None, p.stderr[-300:]
+                    if good:
+                        err = max_diff(torch.load(f"{tmp}/p.pt"), ref)
+                        good = err <= 1e-10
+                        figures = f"max |diff| vs 1 process {err:.1e}; " + _figures(f"{tmp}/r.json")
+                    rows.append((f"train, stage {stage} {impl}, {optimizer}", choose_backend(n)[0],
+                                 _devices(f"{tmp}/r.json"), good, figures, s))
 
     return _table(rows)
 
 
 def _table(rows) -> int:
     ok = True
-    print(f"\n{'what':<26} {'backend':<8} {'devices':<22} {'result':<6} {'seconds':>7}  figures")
+    print(f"\n{'what':<32} {'backend':<8} {'devices':<22} {'result':<6} {'seconds':>7}  figures")
     for what, backend, devices, passed, figures, seconds in rows:
         ok &= passed
-        print(f"{what:<26} {backend:<8} {devices:<22} {'pass' if passed else 'FAIL':<6} {seconds:>7.1f}  {figures}")
+        print(f"{what:<32} {backend:<8} {devices:<22} {'pass' if passed else 'FAIL':<6} {seconds:>7.1f}  {figures}")
     return 0 if ok else 1
 
 
@@ -122,7 +125,7 @@ def _devices(report_path) -> str:
 def _figures(report_path) -> str:
     r0 = json.load(open(report_path))["ranks"][0]
     held = sum(r0["bytes"].values()) / 1024
-    peak = f", CUDA peak {r0['cuda_peak'] / 2**20:.1f} MiB" if "cuda_peak" in r0 else ""
+    peak = f", CUDA peak {r0['cuda_peak'] / 2**20:.1f} MiB" if r0.get("cuda_peak") else ""
     return f"rank 0 holds {held:.1f} KiB{peak}, {r0['step_ms']:.1f} ms/step"
 
 

@@ -66,3 +66,20 @@ def test_bench_zero_measures_accumulation_and_bf16_reduction_per_stage():
         assert float(got[stage, "accum 4, every"]["per_psi"]) < 0.6 <= 1.0 <= float(got[stage, "accum 4, last"]["per_psi"])
     if got[0, "plain"]["wire"] != "-":  # gloo on Linux: the OS's count agrees on DDP's ratio
         assert 3.8 < float(got[0, "accum 4, every"]["x_wire"]) < 4.2
+
+
+def test_sgd_on_four_ranks_equals_one_process_for_every_stage_and_impl(tmp_path):
+    """`python -m zeronb.train --optimizer sgd --stage S --nproc 4 --model gpt --dtype float64` against
+    `--nproc 1 --stage 0 --optimizer sgd`, the files the command line saves compared."""
+    import torch
+
+    from zeronb import train
+
+    common = ["--optimizer", "sgd", "--model", "gpt", "--dtype", "float64"]
+    assert train.main([*common, "--nproc", "1", "--stage", "0", "--save-params", str(tmp_path / "one.pt")]) == 0
+    one = torch.load(tmp_path / "one.pt")
+    for stage in range(4):
+        for impl in ("zeronb", "torch"):
+            out = tmp_path / f"{stage}{impl}.pt"
+            assert train.main([*common, "--nproc", "4", "--stage", str(stage), "--impl", impl, "--save-params", str(out)]) == 0
+            assert train.max_diff(torch.load(out), one) <= 1e-10, (stage, impl)

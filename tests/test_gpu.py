@@ -1,7 +1,8 @@
 """The NCCL path, on as many GPUs as the machine has (up to 4; one is enough): a group per device,
 CUDA and CPU tensors in one call, the ring on CUDA, every stage and --impl of the train CLI with
-torch.cuda's memory figures, the training-in-practice flags and a checkpoint resumed on another
-number of ranks, the exercise checkers, a failure and its recovery, and a soak.
+torch.cuda's memory figures, SGD and the gradients against one process, the training-in-practice
+flags and a checkpoint resumed on another number of ranks, ZeRO-3's prefetch overlapping on the
+GPU's own clock, the exercise checkers, a failure and its recovery, and a soak.
 Marked `gpu` and skipped where there is no GPU (CI has none). With one GPU, every test runs on a
 1-rank NCCL group: what several NCCL ranks do (traffic between GPUs) is for a machine with more.
 `bash scripts/gpu_check.sh` runs these, every chapter and the train CLI on a GPU box."""
@@ -106,8 +107,7 @@ def test_train_cli_on_cuda_matches_one_process_and_reports_cuda_memory(stage, im
     assert train.main(["--nproc", str(N), "--stage", str(stage), "--impl", impl, *common,
                        "--report", str(tmp_path / "r.json"), "--save-params", str(tmp_path / "p.pt")]) == 0
     ref, got = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "p.pt")
-    err = max((got[k] - ref[k]).abs().max().item() for k in ref)
-    assert err <= 1e-10, (stage, impl, err)
+    assert train.max_diff(got, ref) <= 1e-10, (stage, impl)
     for path, ranks in (("ref.json", 1), ("r.json", N)):
         report = json.load(open(tmp_path / path))
         assert [r["device"] for r in report["ranks"]] == [f"cuda:{r}" for r in range(ranks)]
@@ -117,44 +117,78 @@ def test_train_cli_on_cuda_matches_one_process_and_reports_cuda_memory(stage, im
 
 
 @pytest.mark.parametrize("stage,impl", [(s, i) for s in range(4) for i in ("zeronb", "torch")])
+def test_sgd_and_the_gradients_on_cuda_match_one_process(stage, impl):
+    """Parity that would see a gradient scaled by a constant: plain SGD, and the averaged gradients."""
+    from zeronb.runs import RunConfig
+    from zeronb.train import grad_diff, max_diff, run, train_single
+
+    config = RunConfig(model="gpt", dtype="float64", steps=3, optimizer="sgd")
+    ref = train_single(config)
+    got = run(config.replace(nproc=N, stage=stage, impl=impl))
+    assert got.ranks[0].device == "cuda:0"
+    assert max_diff(got.params, ref.params) <= 1e-10 and grad_diff(got.ranks, ref.ranks[0]) <= 1e-12
+
+
+@pytest.mark.parametrize("stage,impl", [(s, i) for s in range(4) for i in ("zeronb", "torch")])
 def test_training_in_practice_on_cuda_matches_one_process(stage, impl):
     """Accumulation (both choices), clipping and activation checkpointing on NCCL ranks: the
     parameters of one CUDA process on the whole batch; bf16 reduction costs precision, within 1e-2."""
-    from zeronb.train import max_diff, parse_args, run, train_single
+    from zeronb.runs import RunConfig
+    from zeronb.train import max_diff, run, train_single
 
-    common = ["--model", "gpt", "--dtype", "float64", "--steps", "3"]
-    ref = train_single(parse_args([*common, "--clip", "0.05"]))
-    assert ref["ranks"][0]["device"] == "cuda:0"
+    common = RunConfig(model="gpt", dtype="float64", steps=3)
+    ref = train_single(common.replace(clip=0.05))
+    assert ref.ranks[0].device == "cuda:0"
     for sync in ("every", "last"):
-        got = run(parse_args([*common, "--nproc", str(N), "--stage", str(stage), "--impl", impl, "--grad-accum", "2",
-                              "--accum-sync", sync, "--clip", "0.05", "--activation-checkpointing"]))
-        assert got["ranks"][0]["device"] == "cuda:0"
-        assert max_diff(got["params"], ref["params"]) <= 1e-10, (stage, impl, sync)
-        assert all(abs(r["grad_norm"] - ref["ranks"][0]["grad_norm"]) <= 1e-12 * r["grad_norm"] for r in got["ranks"])
-    plain = train_single(parse_args(common))["params"]
-    f32 = ["--model", "gpt", "--dtype", "float32", "--steps", "3", "--nproc", str(N), "--stage", str(stage), "--impl", impl]
-    err = {rd: max_diff({k: v.double() for k, v in run(parse_args([*f32, "--reduce-dtype", rd]))["params"].items()}, plain)
-           for rd in ("fp32", "bf16")}
+        got = run(common.replace(nproc=N, stage=stage, impl=impl, grad_accum=2, accum_sync=sync, clip=0.05,
+                                 activation_checkpointing=True))
+        assert got.ranks[0].device == "cuda:0"
+        assert max_diff(got.params, ref.params) <= 1e-10, (stage, impl, sync)
+        assert all(abs(r.grad_norm - ref.ranks[0].grad_norm) <= 1e-12 * r.grad_norm for r in got.ranks)
+    plain = train_single(common).params
+    f32 = common.replace(dtype="float32", nproc=N, stage=stage, impl=impl)
+    err = {rd: max_diff(run(f32.replace(reduce_dtype=rd)).params, plain) for rd in ("fp32", "bf16")}
     assert err["fp32"] < 1e-5 and err["bf16"] < 1e-2, err
     if N > 1:  # on one rank there is no sum to round
         assert err["bf16"] > 2 * err["fp32"], err
 
 
-@pytest.mark.parametrize("impl", ["zeronb", "torch"])
-def test_a_checkpoint_saved_on_gpus_resumes_on_another_number_of_ranks(impl, tmp_path):
-    """ZeRO-3 / FSDP2 saved by N NCCL ranks, resumed on N + 1 ranks (gloo on the CPU where there are
-    not enough GPUs: DCP reads CUDA-written shards into CPU tensors); equal to one process."""
-    from zeronb import checkpoint
-    from zeronb.train import max_diff, parse_args, run, train_single
+def _zero3_timeline(prefetch):
+    """Inside a rank on a GPU: ZeRO-3 on a GPT large enough that the GPU runs behind the CPU (the
+    kernels queue up), the last of three steps watched by a Timeline - CUDA events, no synchronize."""
+    import zeronb
+    from zeronb.models import Config, local_batch, make_model
+    from zeronb.observe import Timeline
+    from zeronb.zero import StageConfig, ZeRO3
 
-    d = str(tmp_path / "ckpt")
-    common = ["--model", "gpt", "--dtype", "float64", "--stage", "3", "--impl", impl]
-    saved = run(parse_args([*common, "--nproc", str(N), "--steps", "2", "--checkpoint", d]))
-    assert saved["ranks"][0]["device"] == "cuda:0" and checkpoint.read_info(d)["world_size"] == N
-    resumed = run(parse_args([*common, "--nproc", str(N + 1), "--steps", "4", "--resume", d]))
-    ref = train_single(parse_args(["--model", "gpt", "--dtype", "float64", "--steps", "4"]))["params"]
-    assert max_diff(resumed["params"], ref) <= 1e-10
-    assert max_diff(checkpoint.export(d), saved["params"]) == 0.0
+    cfg = Config(kind="gpt", vocab=4096, d_model=1024, n_head=16, n_layer=4, seq_len=256, global_batch=8 * dist.get_world_size())
+    dev = zeronb.device()
+    stage = ZeRO3(make_model(cfg, torch.float32, dev), StageConfig(), prefetch=prefetch)
+    timeline = Timeline(dev)
+    for step in range(3):
+        stage.observers = [timeline] if step == 2 else []
+        stage.train_step(*local_batch(cfg, step, dist.get_rank(), dist.get_world_size(), device=dev))
+    return timeline.spans()
+
+
+def _overlaps(spans):
+    """For each unit u > 0: how long (s) its forward all-gather ran while unit u-1's forward computed."""
+    at = {(what, unit): (start, end) for what, unit, start, end in spans}
+    units = sorted(u for what, u in at if what == "forward")
+    return [min(at["all-gather (forward)", u][1], at["forward", u - 1][1])
+            - max(at["all-gather (forward)", u][0], at["forward", u - 1][0]) for u in units[1:]]
+
+
+def test_zero3_prefetch_overlaps_the_next_gather_with_this_units_computation_on_the_gpu(pool):
+    """On the GPU's own clock: with prefetch every forward all-gather after the first runs while the
+    unit before it computes (on NCCL's stream, beside the compute stream); without, none does."""
+    for with_prefetch, without in zip(pool.run(_zero3_timeline, True, echo=False),
+                                      pool.run(_zero3_timeline, False, echo=False)):
+        overlap, none = _overlaps(with_prefetch), _overlaps(without)
+        print(f"all-gather time hidden under the previous unit's forward: {[f'{o * 1e3:.3f}' for o in overlap]} ms "
+              f"with prefetch, {[f'{max(o, 0) * 1e3:.3f}' for o in none]} ms without")
+        assert overlap and all(o > 0 for o in overlap), overlap
+        assert none and all(o <= 0 for o in none), none
 
 
 def test_exercise_checkers_on_nccl():
