@@ -26,7 +26,7 @@ import math
 import re
 
 from . import memory
-from .precision import OPTIMIZER_STATES, PRECISIONS, precision as _precision
+from .precision import OPTIMIZER_STATES, PRECISIONS
 
 OPTIMIZERS = {"adam": "Adam", "sgd-momentum": "SGD with momentum", "sgd": "SGD"}  # name -> label
 STAGE_NAMES = {0: "DDP (stage 0)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
@@ -57,7 +57,7 @@ def bytes_per_param(precision: str, optimizer: str = "adam") -> dict:
     The "optimizer" entry is K."""
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer must be one of {', '.join(map(repr, OPTIMIZER_STATES))}, not {optimizer!r}")
-    p, g, k = _precision(precision).bytes_per_parameter(optimizer)
+    p, g, k = memory.bytes_per_parameter(precision, optimizer)
     return {"params": p, "grads": g, "optimizer": k}
 
 

@@ -21,6 +21,14 @@ from contextlib import contextmanager
 import torch
 
 
+def bytes_per_parameter(precision: str, optimizer: str = "adam") -> tuple:
+    """(p, g, K): bytes of parameter, gradient and optimizer state per parameter, for a precision
+    ("float32", "float64", "bf16-mixed") and optimizer (zeronb.precision holds the facts)."""
+    from .precision import precision as _precision
+
+    return _precision(precision).bytes_per_parameter(optimizer)
+
+
 def model_state_bytes(num_params: float, world_size: int, stage: int, param_bytes: float = 2,
                       grad_bytes: float = 2, optimizer_bytes: float = 12) -> float:
     """Bytes of model states per device for ZeRO stage 0..3 (0 = plain data parallelism)."""

@@ -54,23 +54,26 @@ __all__ = ["RunConfig", "RunReport", "RankReport", "run", "run_many", "train_ran
 
 # --- one rank of a distributed run ---------------------------------------------------------------
 
-def build_stage(config: RunConfig, model, observers=()):
+def build_stage(config: RunConfig, model, build=None):
     """The stage to train with, zeronb's own or PyTorch's counterpart, built from the run's settings
-    (its process groups too: with shard_size, HSDP's)."""
+    (its process groups too: with shard_size, HSDP's). `build(model, stage_config)`: another
+    stage class (a chapter's own, say) to train with instead of the one `config.stage` names."""
     from .zero import STAGES, sharding_groups
     from .torch_impls import TorchStage
 
     groups = sharding_groups(config.shard_size) if config.shard_size else (None, None)
     stage_config = config.stage_config(*groups)
+    if build is not None:
+        return build(model, stage_config)
     if config.impl == "torch":
-        return TorchStage(model, config.stage, stage_config, observers)
+        return TorchStage(model, config.stage, stage_config)
     own = {3: dict(prefetch=config.prefetch, reshard_after_forward=config.reshard_after_forward,
                    units=choose_units(model, config.wrap))}.get(config.stage, {})  # ZeRO-3's own settings
-    return STAGES[config.stage](model, stage_config, observers, **own)
+    return STAGES[config.stage](model, stage_config, **own)
 
 
-def train_rank(config: RunConfig) -> RankReport:
-    """Run inside a rank (a pool's or torchrun's): train, measure, and report."""
+def train_rank(config: RunConfig, build=None) -> RankReport:
+    """Run inside a rank (a pool's or torchrun's): train, measure, and report. `build`: see build_stage."""
     from .backend import backend_for, device
 
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -80,7 +83,7 @@ def train_rank(config: RunConfig) -> RankReport:
     model = make_model(cfg, dtype, dev)
     if config.activation_checkpointing:
         checkpoint_activations(model)
-    stage = build_stage(config, model)
+    stage = build_stage(config, model, build)
     first = 0
     if config.resume:  # the saved shards, resharded by DCP onto this many ranks
         from . import checkpoint
@@ -124,32 +127,33 @@ def train_rank(config: RunConfig) -> RankReport:
         params={k: v.cpu() for k, v in stage.full_parameters().items()}, **memory.cuda_memory(dev))
 
 
-def _train_ranks(configs: list) -> list:
-    return [train_rank(c) for c in configs]
+def _train_ranks(configs: list, build=None) -> list:
+    return [train_rank(c, build) for c in configs]
 
 
 # --- putting it together ---------------------------------------------------------------------------
 
-def run(config: RunConfig, pool=None) -> RunReport:
+def run(config: RunConfig, pool=None, build=None) -> RunReport:
     """Train as `config` says; the report, with rank 0's final parameters in `params`. Inside a
     process group (torchrun, or a rank) it trains there; `nproc` 1 at stage 0 is the one-process
-    reference; otherwise on `pool` (a zeronb.Cluster) or on a new pool of `nproc` ranks."""
+    reference; otherwise on `pool` (a zeronb.Cluster) or on a new pool of `nproc` ranks.
+    `build(model, stage_config)`: train with that stage instead of the one the config names."""
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized()
     if dist.is_initialized() or under_torchrun:
         if under_torchrun:
             _join_torchrun_group()
-        mine = train_rank(config)
+        mine = train_rank(config, build)
         ranks = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, dataclasses.replace(mine, params=None, grads=None))
         ranks[dist.get_rank()] = mine
         return RunReport(config, len(ranks), ranks, mine.params)
-    if pool is None and config.nproc == 1 and config.stage == 0 and config.impl == "zeronb" \
+    if pool is None and build is None and config.nproc == 1 and config.stage == 0 and config.impl == "zeronb" \
             and not (config.checkpoint or config.resume):
         return train_single(config)
-    return run_many([config], pool)[0]
+    return run_many([config], pool, build)[0]
 
 
-def run_many(configs: list, pool=None) -> list:
+def run_many(configs: list, pool=None, build=None) -> list:
     """Several runs, one after another on the same ranks in one call (the same processes, the same
     conditions): a RunReport each."""
     from .cluster import Cluster
@@ -159,12 +163,12 @@ def run_many(configs: list, pool=None) -> list:
         if len(sizes) > 1:
             raise ValueError(f"run_many runs every config on one pool; they ask for {sorted(sizes)} ranks")
         with Cluster(sizes.pop(), verbose=False) as new:
-            return run_many(configs, new)
+            return run_many(configs, new, build)
     wrong = [c.nproc for c in configs if c.nproc not in (None, pool.world_size)]
     if wrong:
         raise ValueError(f"the pool has {pool.world_size} ranks, the config asks for {wrong[0]}: leave nproc "
                          "unset to run on the pool as it is, or start a pool of that size")
-    per_rank = pool.run(_train_ranks, configs, timeout=sum(c.timeout for c in configs), echo=False)
+    per_rank = pool.run(_train_ranks, configs, build, timeout=sum(c.timeout for c in configs), echo=False)
     return [RunReport(config, pool.world_size, [r[i] for r in per_rank], per_rank[0][i].params)
             for i, config in enumerate(configs)]
 

@@ -55,6 +55,10 @@ class ShardOptimizer:
         """The optimizer's state for shard i (Adam: step, exp_avg, exp_avg_sq; SGD: none)."""
         return self.optimizer.state[self.master[i]]
 
+    def states(self) -> list:
+        """The state of every shard, in order."""
+        return [self.state_of(i) for i in range(len(self.master))]
+
     def state_tensors(self) -> list:
         """What the optimizer holds: its states, and the master copy in mixed precision."""
         from ..memory import optimizer_tensors

@@ -165,7 +165,7 @@ class FlatStage(Stage):
     def shard_pieces(self, tensors):
         out = {}
         for bucket, t in zip(self.buckets, tensors):
-            out.update(bucket.pieces(t, self.names, self.rank if self.sharded else None))
+            out.update(bucket.pieces(t.reshape(-1), self.names, self.rank if self.sharded else None))
         return out
 
     def checkpoint_state(self):
