@@ -48,10 +48,12 @@ class ZeRO2(FlatStage):
     def _grad_ready(self, p):
         b = self.bucket_of[p]
         self.tell("gradient ready", p)
-        if not b.mark_ready(p) or not self.sync_now():  # (not now: the full gradients add up until the last micro-batch)
-            return
-        # the bucket is complete: its gradients move into one flat tensor, and are reduce-scattered
-        # into the shard; then that tensor goes too
+        if b.mark_ready(p) and self.sync_now():  # (accumulating: the full gradients add up until the last micro-batch)
+            self.reduce_bucket(b)
+
+    def reduce_bucket(self, b):
+        """The bucket is complete: its gradients move into one flat tensor, which is reduce-scattered
+        into this rank's shard; then that tensor goes too. Only the shard remains."""
         b.comm = b.take_grads()
         self.tell("reduce-scatter", b)
         reduce_scatter_into(b.grad_shard, b.comm, dtype=self.config.reduce_dtype, group=self.shard_group,
