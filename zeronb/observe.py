@@ -124,19 +124,44 @@ class Timeline:
                 begun[what, k] = t
             elif what.endswith(" done") and (what[:-5], k) in begun:
                 out.append((what[:-5], k, begun.pop((what[:-5], k)), t))
-        issued = {}  # (collective, key) -> the times it was issued, oldest first
+        # a collective runs from its issue to its completion; it was complete, at the latest, when the
+        # stage's wait for it returned (a completion callback may run a little after the waiter wakes)
+        issued, waited = {}, {}  # (collective, key) -> times, oldest first
         for what, k, t in marks:
             if what.startswith(("all-gather", "all-reduce")) and not what.endswith("done"):
                 issued.setdefault((what, k), []).append(t)
+                waited.setdefault((what, k), []).append(None)
+            elif what in ("gathered", "all-reduce done"):
+                for (w, key), times in waited.items():
+                    if key == k and None in times:
+                        times[times.index(None)] = t
+                        break
+        completed = {}
         for what, k, t in ends:
-            out.append((what, k, issued[what, k].pop(0), t))
-        if not ends:  # no completion stamps (a backend without futures): from the issue to the stage's wait
-            for what, k, t in marks:
-                if what in ("gathered", "all-reduce done"):
-                    pending = [w for w in issued if w[1] == k and issued[w]]
-                    if pending:
-                        out.append((pending[0][0], k, issued[pending[0]].pop(0), t))
+            completed.setdefault((what, k), []).append(t)
+        for (what, k), starts in issued.items():
+            done = completed.get((what, k), [])
+            for i, start in enumerate(starts):
+                ends_i = [t for t in (done[i] if i < len(done) else None, waited[what, k][i]) if t is not None]
+                if ends_i:
+                    out.append((what, k, start, min(ends_i)))
         return sorted(out, key=lambda s: (s[2], s[3]))
+
+
+def zero3_parameters(notes) -> list:
+    """ZeRO-3's memory trace (MemoryTrace.notes) as the bytes of parameters held once each of its
+    hooks has run: [(label, bytes)], labels "forward u" (gathered, about to compute), "after
+    forward u", "backward u" and "after backward u" (reduce-scattered and freed)."""
+    out, previous = [], None
+    for event, unit, held in notes:
+        if event in ("forward", "forward done", "backward"):
+            out.append((f"{event.replace('forward done', 'after forward')} {unit}", held["params"]))
+        elif event == "freed" and previous == "forward done":
+            out[-1] = (f"after forward {unit}", held["params"])  # (the forward hook freed the unit)
+        elif event == "freed":
+            out.append((f"after backward {unit}", held["params"]))
+        previous = event
+    return out
 
 
 class MemoryTrace:

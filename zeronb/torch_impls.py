@@ -51,7 +51,9 @@ def _mesh(device_type: str, replicas: int, shards: int):
 
 
 class TorchStage(Stage):
-    def __init__(self, model, stage: int, config=None, observers=()):
+    def __init__(self, model, stage: int, config=None, observers=(), reshard_last_unit: bool = True):
+        """`reshard_last_unit` (FSDP2, stage 3): False keeps the last unit's parameters gathered from
+        its forward to its backward, as zeronb's ZeRO-3 does (FSDP2 itself keeps only the root's)."""
         super().__init__(model, config, observers)
         self.stage, cfg, dev = stage, self.config, device()
         optimizer_class = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.SGD
@@ -75,13 +77,20 @@ class TorchStage(Stage):
                 raise ValueError("FSDP2 here shards over all ranks, or over groups of consecutive ranks with "
                                  "replicas (zeronb.zero.sharding_groups)")
             mesh = _mesh(dev.type, self.data_parallel // self.shards, self.shards)
-            shard = fully_shard()
-            kw = {"mp_policy": mixed_precision_policy()(reduce_dtype=cfg.reduce_dtype)} if cfg.reduce_dtype else {}
-            for unit in model.units():
-                shard(unit, mesh=mesh, reshard_after_forward=(stage == 3), **kw)
-            shard(model, mesh=mesh, reshard_after_forward=(stage == 3), **kw)
-            self.wrapped = model
+            self.wrapped = self.fully_shard(model, mesh, stage == 3, reshard_last_unit)
             self.optimizer = optimizer_class(model.parameters(), lr=cfg.lr, foreach=False)
+
+    def fully_shard(self, model, mesh, reshard_after_forward: bool, reshard_last_unit: bool = True):
+        """FSDP2's wrapping: `fully_shard` on each unit, bottom-up, then on the whole model. Each
+        call makes its module one group whose parameters are gathered and reduce-scattered together."""
+        shard = fully_shard()  # torch.distributed.fsdp.fully_shard (elsewhere before torch 2.6)
+        kw = {"mp_policy": mixed_precision_policy()(reduce_dtype=self.config.reduce_dtype)} if self.config.reduce_dtype else {}
+        units = model.units()
+        for unit in units:
+            keep = unit is units[-1] and not reshard_last_unit
+            shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward and not keep, **kw)
+        shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, **kw)
+        return model
 
     def loss(self, x, y):
         return self.model.loss(self.wrapped(x), y)
