@@ -16,6 +16,7 @@ optimizer are zeronb.precision's.
 """
 from __future__ import annotations
 
+import contextlib
 from contextlib import contextmanager
 
 import torch
@@ -173,3 +174,30 @@ def saved_activations(exclude=()):
     finally:
         # by identity: two counters can be equal as dicts (list.remove would take the wrong one)
         del _counting[next(i for i, c in enumerate(_counting) if c is counter)]
+
+
+@contextmanager
+def saved_activations_per_module(modules, exclude=()):
+    """`saved_activations` for each of `modules` (a model's units, say): what autograd saves while
+    that module's forward runs, its own submodules included. Yields {index: {"bytes", "tensors"}},
+    filled in as the forward pass reaches each module."""
+    counts, open_ = {}, {}
+
+    def enter(i):
+        def hook(module, args):
+            open_[i] = contextlib.ExitStack()
+            counts[i] = open_[i].enter_context(saved_activations(exclude))
+        return hook
+
+    def leave(i):
+        def hook(module, args, output):
+            open_.pop(i).close()
+        return hook
+
+    handles = [h for i, m in enumerate(modules)
+               for h in (m.register_forward_pre_hook(enter(i)), m.register_forward_hook(leave(i)))]
+    try:
+        yield counts
+    finally:
+        for h in handles:
+            h.remove()

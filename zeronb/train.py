@@ -153,10 +153,13 @@ def run(config: RunConfig, pool=None, build=None) -> RunReport:
     return run_many([config], pool, build)[0]
 
 
-def run_many(configs: list, pool=None, build=None) -> list:
+def run_many(configs, pool=None, build=None):
     """Several runs, one after another on the same ranks in one call (the same processes, the same
-    conditions): a RunReport each."""
+    conditions): a RunReport each, in a list for a list of configs, by key for a dict of them."""
     from .cluster import Cluster
+
+    if isinstance(configs, dict):
+        return dict(zip(configs, run_many(list(configs.values()), pool, build)))
 
     if pool is None:
         sizes = {c.nproc or 2 for c in configs}
