@@ -42,7 +42,7 @@ START_TIMEOUT = 120.0  # seconds for the helper to import torch (a cold disk, a 
 # first TorchDispatchMode (zeronb.ledger's byte counter) would import: seconds of CPU.
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "cloudpickle", "numpy", "zeronb._worker",
            "zeronb.backend", "zeronb.shards", "zeronb.collectives", "zeronb.ledger", "zeronb.memory",
-           "zeronb.models", "zeronb.zero", "zeronb.train", "zeronb.exercises")
+           "zeronb.models", "zeronb.zero", "zeronb.train", "zeronb.exercises", "zeronb.messages", "zeronb.observe")
 
 # Environment variables that libraries read once, when they are loaded: a helper started under
 # other values would hand stale settings to its ranks, so a change starts a new helper.

@@ -43,7 +43,7 @@ def key(stage, where):
         return where.index
     if hasattr(where, "params"):
         return where.name
-    return where
+    return where if isinstance(where, (int, str)) else None  # (the optimizer's gradients: not kept)
 
 
 class Timeline:
@@ -99,6 +99,12 @@ class Timeline:
         except RuntimeError:  # a backend without futures: the end is when the stage waited
             return
         self._futures.append(future.then(lambda _: self._ends.append((name, k, time.perf_counter()))))
+
+    @property
+    def origin(self) -> float | None:
+        """The clock's reading at the step's first mark, which the times count from: on the CPU
+        time.perf_counter(), one clock for every process of a machine; None on a GPU."""
+        return self._marks[0][2] if self._marks and not self.cuda else None
 
     def _seconds(self, marks):
         """The marks with their times in seconds since the first mark of the step."""
@@ -202,6 +208,47 @@ class StepMemory:
             self.activation_bytes = self._saved["bytes"]
         elif event == "backward pass done":
             self.grad_bytes_after_micro_batch.append(memory.tensor_bytes(stage.state_tensors()["grads"]))
+
+
+class PhaseTraffic:
+    """The bytes each phase of the step sent: forward, backward (to the end of the last
+    micro-batch's backward, the stage's own end-of-backward communication included) and the
+    optimizer step. `phases`: {phase: {"sent": {op: bytes}, "calls": {op: count}, "wire": bytes or
+    None}} - a zeronb.ledger.CommLedger per phase, counting on the wire too with `wire`."""
+
+    def __init__(self, wire: bool = False):
+        self.wire, self.phases = wire, {}
+        self._open = contextlib.ExitStack()
+
+    def _begin(self, phase):
+        from .ledger import CommLedger
+
+        self._open.close()
+        self._ledger = self._open.enter_context(CommLedger(wire=self.wire))
+        self._phase = phase
+
+    def _end(self):
+        self._open.close()
+        entry = self.phases.setdefault(self._phase, {"sent": {}, "calls": {}, "wire": 0 if self.wire else None})
+        for op, nbytes in self._ledger.by_op.items():
+            entry["sent"][op] = entry["sent"].get(op, 0) + nbytes
+            entry["calls"][op] = entry["calls"].get(op, 0) + self._ledger.calls[op]
+        if self.wire:
+            entry["wire"] += self._ledger.wire_bytes
+
+    def __call__(self, stage, event, where):
+        if event == "forward pass":
+            if where == 0:
+                self.phases = {}
+            self._begin("forward")
+        elif event == "backward pass":
+            self._end()
+            self._begin("backward")
+        elif event == "backward pass done":
+            self._end()
+            self._begin("step")
+        elif event == "step done":
+            self._end()
 
 
 class Gradients:

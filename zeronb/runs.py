@@ -151,7 +151,9 @@ class RankReport:
     grads: Optional[dict] = None     # {name: (start, stop, values)}: the averaged gradient the last step used
     timeline: Optional[list] = None  # with trace: (what, key, start, end) of the last step (zeronb.observe)
     events: Optional[list] = None    # with trace: (event, key, seconds) of the last step
+    timeline_origin: Optional[float] = None  # with trace, on the CPU: the clock reading those seconds count from
     memory_trace: Optional[list] = None  # with trace: (event, key, bytes held) at each event of the last step
+    phases: Optional[dict] = None    # with trace: the last step's traffic by phase (zeronb.observe.PhaseTraffic)
     params: Optional[dict] = None    # {name: full tensor} after training
 
     def to_json(self) -> dict:

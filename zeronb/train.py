@@ -43,7 +43,7 @@ import torch.distributed as dist
 from . import memory
 from .ledger import CommLedger
 from .models import checkpoint_activations, choose_units, local_batch, make_model, num_params
-from .observe import Gradients, MemoryTrace, StepMemory, Timeline
+from .observe import Gradients, MemoryTrace, PhaseTraffic, StepMemory, Timeline
 from .parity import grad_diff, max_diff  # noqa: F401  (where the chapters and tests find them)
 from .reference import expected_bytes, train_single
 from .runs import RankReport, RunConfig, RunReport
@@ -91,7 +91,7 @@ def train_rank(config: RunConfig, build=None) -> RankReport:
         first = checkpoint.load(stage, config.resume)["steps_done"]
     # the last step is watched from outside (zeronb.observe); the others run unobserved
     step_memory, gradients = StepMemory(), Gradients()
-    traced = [Timeline(dev), MemoryTrace()] if config.trace else []
+    traced = [Timeline(dev), MemoryTrace(), PhaseTraffic(wire)] if config.trace else []
     memory.reset_cuda_peak(dev)  # the peak this run reaches, not an earlier call's on this rank
     losses, times = [], []
     for step in range(first, config.steps):
@@ -123,7 +123,8 @@ def train_rank(config: RunConfig, build=None) -> RankReport:
         activation_bytes=step_memory.activation_bytes,
         grad_bytes_after_micro_batch=step_memory.grad_bytes_after_micro_batch, grads=gradients.pieces,
         timeline=timeline.spans() if timeline else None, events=timeline.records() if timeline else None,
-        memory_trace=traced[1].notes if traced else None,
+        timeline_origin=timeline.origin if timeline else None, memory_trace=traced[1].notes if traced else None,
+        phases=traced[2].phases if traced else None,
         params={k: v.cpu() for k, v in stage.full_parameters().items()}, **memory.cuda_memory(dev))
 
 
