@@ -332,19 +332,8 @@ class Cluster:
                   "every rank joined a new one, so later calls work as before (per-rank state is kept)")
 
     def _stacks(self, ranks) -> dict[int, str]:
-        """Where each of `ranks` is right now (usually ~0.1 s; on a loaded machine a rank may wait
-        over a second to be scheduled and run its handler)."""
-        alive = [self._ranks[r] for r in ranks if self._ranks[r].alive()]
-        for rk in alive:
-            rk.request_stack()
-        dumps: dict[int, str] = {}
-        deadline = time.monotonic() + 3.0
-        while len(dumps) < len(alive) and time.monotonic() < deadline:
-            time.sleep(0.02)
-            for rk in alive:
-                if rk.rank not in dumps and (dump := rk.read_stack()) is not None:
-                    dumps[rk.rank] = dump
-        return {r: format_stack_dump(d) for r, d in dumps.items()}
+        """Where each of `ranks` is right now, as tracebacks."""
+        return {r: format_stack_dump(d) for r, d in launch.stack_dumps([self._ranks[r] for r in ranks]).items()}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -154,6 +154,34 @@ class Timeline:
         return sorted(out, key=lambda s: (s[2], s[3]))
 
 
+def covered(intervals) -> float:
+    """How long the union of (start, end) intervals lasts (time covered at least once)."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def overlap(a, b) -> float:
+    """How long some interval of `a` and some interval of `b` run at the same time."""
+    return covered(a) + covered(b) - covered(list(a) + list(b))
+
+
+def spans_of(timeline, *kinds) -> list:
+    """The (start, end) of a Timeline's spans whose name starts with one of `kinds` (all: none given)."""
+    return [(s, e) for what, _, s, e in timeline if not kinds or what.startswith(kinds)]
+
+
+def hidden_share(timeline) -> float:
+    """The share of all-gather time during which the rank was computing (a forward or a backward):
+    communication hidden under computation. Read from a Timeline, whose collectives run from their
+    issue to their completion, it can show no overlap that did not happen."""
+    gathers = spans_of(timeline, "all-gather")
+    return overlap(gathers, spans_of(timeline, "forward", "backward")) / covered(gathers)
+
+
 def zero3_parameters(notes) -> list:
     """ZeRO-3's memory trace (MemoryTrace.notes) as the bytes of parameters held once each of its
     hooks has run: [(label, bytes)], labels "forward u" (gathered, about to compute), "after

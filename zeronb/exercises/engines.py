@@ -198,7 +198,7 @@ def _try_zero2_hooks(fn):
 
 def check_zero2_hooks(fn, world_size: int = 4) -> Verdict:
     """Exercise (chapter 9): `fn(buckets, grad_shards)` registers ZeRO-2's hooks. `buckets` are
-    zeronb.zero.common.Bucket objects (one layer each, last layer first: `.params`,
+    zeronb.zero.buckets.Bucket objects (one layer each, last layer first: `.params`,
     `.flatten_grads()`, `.chunk_numel`); `grad_shards[i]` is this rank's gradient shard of bucket
     i. When all of a bucket's gradients exist: reduce-scatter them (summed), *add* the result into
     grad_shards[i], and free the full gradients. Checked over two backwards (accumulation)."""
