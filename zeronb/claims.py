@@ -335,8 +335,8 @@ def _zero1_order(e: Evidence) -> Finding:
     order = [op for p in ("forward", "backward", "step") for op in phase(z1, p)]
     return Finding("ZeRO-1's collectives, in the order called: " + " then ".join(op.replace("_", "-") for op in order),
                    "false" if order == ["reduce_scatter", "all_gather"] else "true",
-                   "the reverse: the gradients are reduce-scattered (each rank gets its summed shard) and the updated "
-                   "weights all-gathered", {"order": order})
+                   "the reverse: the gradients are reduce-scattered (each rank gets its summed shard) as backward "
+                   "ends, and the updated weights all-gathered after the optimizer step", {"order": order})
 
 
 def _no_master(e: Evidence) -> Finding:

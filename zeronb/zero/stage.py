@@ -31,7 +31,8 @@ class Stage:
     micro-batches, divides each one's loss by K (so that the gradients add up to the whole
     batch's) and takes one optimizer step. A stage that communicates gradients during backward
     does so after every micro-batch when `config.sync_each_micro_batch`, and only after the last
-    one otherwise: the second sends 1/K of the bytes, the first holds less in between."""
+    one otherwise: the second sends 1/K of the bytes; what each holds in between depends on the
+    stage (ZeRO-2 and ZeRO-3 hold only shards when they sync every micro-batch)."""
 
     stage: int = None  # 0 (DDP) .. 3
 
