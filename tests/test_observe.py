@@ -28,6 +28,15 @@ def test_zero3_parameters_labels_the_memory_after_each_hook():
                                        ("after forward 1", 30), ("backward 1", 30), ("after backward 1", 10)]
 
 
+def _unit(index):
+    """A real ZeRO-3 unit (of one rank's shards), whose collective the test sets by hand."""
+    import torch
+
+    from zeronb.zero.zero3 import Unit
+
+    return Unit(index, torch.nn.Linear(2, 2), rank=0, shards=1)
+
+
 class _Done:
     """A collective that completed before anyone asked: its future's callback runs at once."""
 
@@ -40,12 +49,7 @@ class _Done:
 
 
 def test_a_collective_ends_when_the_stage_waited_if_its_completion_was_stamped_later():
-    timeline = Timeline("cpu")
-
-    class Unit:
-        index, module, work = 2, None, None
-
-    u = Unit()
+    timeline, u = Timeline("cpu"), _unit(2)
     timeline(None, "forward pass", 0)
     u.work = _Done()
     timeline(None, "all-gather", u)  # issued; completion stamped by the callback, right now
@@ -67,12 +71,11 @@ def test_a_completion_stamped_after_the_wait_returned_is_cut_to_the_wait():
         def get_future(self):
             return future
 
-    class Unit:
-        index, module, work = 0, None, Work()
-
+    u = _unit(0)
+    u.work = Work()
     timeline(None, "forward pass", 0)
-    timeline(None, "all-gather", Unit())
-    timeline(None, "gathered", Unit())
+    timeline(None, "all-gather", u)
+    timeline(None, "gathered", u)
     time.sleep(0.01)
     future.set_result(None)  # the completion callback stamps now, after the wait
     (_, _, start, end), = timeline.spans()

@@ -291,6 +291,7 @@ def test_global_norm_clipping_over_shards_matches_clip_grad_norm_on_one_process(
             assert all(rank.grad_norm is None for rank in r.ranks)
             continue
         assert max_diff(r.params, ref.params) <= 1e-10, (stage, impl)
+        assert grad_diff(r.ranks, ref.ranks[0]) <= 1e-12, (stage, impl)  # every stage reports them before clipping
         norms = [rank.grad_norm for rank in r.ranks]  # every rank the same: one all-reduce of partial sums
         assert abs(norms[0] - ref.ranks[0].grad_norm) <= 1e-12 * norms[0], (stage, impl, norms[0])
         assert max(norms) - min(norms) <= 1e-15 * norms[0], (stage, impl, norms)

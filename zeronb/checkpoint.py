@@ -32,53 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from . import shards
-from .compat import dtensor
 
 INFO = "zeronb.json"
 STRUCTURE = ("stage", "impl", "model", "dtype", "optimizer")  # what a resume must share with the saved run
-
-
-# --- zeronb's stages: flat buckets as 1-D DTensors ------------------------------------------------
-
-def flat_state(stage) -> dict:
-    """{key: tensor} over a zeronb stage's flat buckets; the tensors are the stage's own (views of
-    its shards and of the optimizer's state), so that dcp.load writes straight into them."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-    from .backend import device
-
-    if stage.replica_group is not None:
-        raise ValueError("a checkpoint of a stage with a replica group (HSDP) is not supported; save from a "
-                         "run sharded over all of its ranks")
-    opt, n, rank = stage.optimizer, stage.shards, stage.rank
-    opt.init_state()  # (a no-op after the first step; before it, what loading writes into)
-    mesh = None
-    if stage.sharded:
-        group = stage.shard_group
-        mesh = init_device_mesh(device().type, (n,)) if group is None else DeviceMesh.from_group(group, device().type)
-    DTensor, Shard, _ = dtensor()
-    state = {}
-    for i, (bucket, shard) in enumerate(zip(stage.buckets, opt.shards)):
-        per_element = {k: v for k, v in opt.state_of(i).items() if k != "step"}  # Adam's moments; SGD: none
-        kinds = {"params": shard, **per_element, **({"master": opt.master[i]} if opt.mixed else {})}
-        for kind, t in kinds.items():
-            if stage.sharded:  # this rank's chunk, less its padding: torch.chunk's piece of the bucket
-                local = t[:shards.shard_numel(bucket.numel, n, rank)]
-                state[f"{bucket.name}.{kind}"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
-                                                                    shape=(bucket.numel,), stride=(1,))
-            else:  # the whole bucket, the same on every rank
-                state[f"{bucket.name}.{kind}"] = t[:bucket.numel]
-        if "step" in opt.state_of(i):
-            state["optimizer.step"] = opt.state_of(i)["step"]  # every bucket's: the same count
-    return state
-
-
-def after_flat_load(stage, state: dict) -> None:
-    """What dcp.load could not write in place: the step count, into every shard's state."""
-    if "optimizer.step" in state:
-        for i in range(len(stage.optimizer.shards)):
-            stage.optimizer.state_of(i)["step"].copy_(state["optimizer.step"])
 
 
 # --- save, load, read, export ---------------------------------------------------------------------------
@@ -106,8 +62,8 @@ def read_info(directory: str) -> dict:
 
 def check_compatible(info: dict, settings: dict) -> None:
     """Raise ValueError unless `settings` continue the run `info` describes."""
-    wrong = [f"{k} {settings[k]!r} (saved: {info.get(k, 'adam')!r})" for k in STRUCTURE
-             if settings[k] != info.get(k, "adam")]  # (optimizer: older checkpoints are Adam's)
+    saved = {"optimizer": "adam", **info}  # (checkpoints from before the choice of optimizer are Adam's)
+    wrong = [f"{k} {settings[k]!r} (saved: {saved.get(k)!r})" for k in STRUCTURE if settings[k] != saved.get(k)]
     if wrong:
         raise ValueError("this checkpoint is of another kind of run: " + ", ".join(wrong) + "; resume with the "
                          "saved settings (the number of ranks may differ)")

@@ -224,6 +224,7 @@ class Cluster:
 
     def _stop(self, reason: str) -> None:
         self._kill()
+        shutil.rmtree(self._tmp, ignore_errors=True)  # (a restart makes a new one)
         self._dead_reason = reason
 
     # -- calls ------------------------------------------------------------------------------------

@@ -30,10 +30,8 @@ else:
 
 def backend_config(group=None) -> str:
     """The group's backends as a string: "gloo", or "cpu:gloo,cuda:nccl" for a group with one
-    backend per device type (get_backend_config from torch 2.1; get_backend before)."""
-    if hasattr(dist, "get_backend_config"):
-        return str(dist.get_backend_config(group))
-    return str(dist.get_backend(group))
+    backend per device type."""
+    return str(dist.get_backend_config(group))
 
 
 def group_size_of(boxed) -> int | None:

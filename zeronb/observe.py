@@ -11,6 +11,7 @@ Every stage (zeronb.zero.stage.Stage.train_step):
     "backward pass done", i    its backward is done (the hooks below have fired)
     "optimizer step", grads    the averaged gradients, one tensor per shard the optimizer updates
     "step done", None
+    "step failed", None        the step raised: an observer holding something open lets it go
 
 Inside backward and the step, where a stage does it (`where` a parameter, a bucket or a unit):
     "gradient ready", p                   DDP, ZeRO-2, ZeRO-3: p's gradient has landed
@@ -32,6 +33,8 @@ import time
 import torch
 
 from . import memory
+from .zero.buckets import Bucket
+from .zero.zero3 import Unit
 
 
 def key(stage, where):
@@ -39,9 +42,9 @@ def key(stage, where):
     a micro-batch's index."""
     if isinstance(where, torch.Tensor):
         return stage.names.get(where, "?")
-    if hasattr(where, "index") and hasattr(where, "module"):
+    if isinstance(where, Unit):
         return where.index
-    if hasattr(where, "params"):
+    if isinstance(where, Bucket):
         return where.name
     return where if isinstance(where, (int, str)) else None  # (the optimizer's gradients: not kept)
 
@@ -84,9 +87,8 @@ class Timeline:
         k = key(stage, where)
         name = f"{event} ({self._phase})" if event == "all-gather" else event
         self._marks.append((name, k, self._stamp()))
-        work = getattr(where, "work", None) if event in ("all-gather", "all-reduce") else None
-        if work is not None:
-            self._when_done(name, k, work)
+        if event in ("all-gather", "all-reduce") and where.work is not None:  # (a Bucket or Unit in flight)
+            self._when_done(name, k, where.work)
 
     def _when_done(self, name, k, work):
         if self.cuda:
@@ -98,7 +100,8 @@ class Timeline:
             future = work.get_future()
         except RuntimeError:  # a backend without futures: the end is when the stage waited
             return
-        self._futures.append(future.then(lambda _: self._ends.append((name, k, time.perf_counter()))))
+        ends = self._ends  # this step's list, even if the callback runs after a reset
+        self._futures.append(future.then(lambda _: ends.append((name, k, time.perf_counter()))))
 
     @property
     def origin(self) -> float | None:
@@ -169,17 +172,22 @@ def overlap(a, b) -> float:
     return covered(a) + covered(b) - covered(list(a) + list(b))
 
 
-def spans_of(timeline, *kinds) -> list:
-    """The (start, end) of a Timeline's spans whose name starts with one of `kinds` (all: none given)."""
-    return [(s, e) for what, _, s, e in timeline if not kinds or what.startswith(kinds)]
+def spans_of(spans, *kinds) -> list:
+    """The (start, end) of those of a Timeline's spans whose name starts with one of `kinds` (all:
+    none given)."""
+    return [(s, e) for what, _, s, e in spans if not kinds or what.startswith(kinds)]
 
 
-def hidden_share(timeline) -> float:
-    """The share of all-gather time during which the rank was computing (a forward or a backward):
-    communication hidden under computation. Read from a Timeline, whose collectives run from their
-    issue to their completion, it can show no overlap that did not happen."""
-    gathers = spans_of(timeline, "all-gather")
-    return overlap(gathers, spans_of(timeline, "forward", "backward")) / covered(gathers)
+def hidden_share(spans) -> float:
+    """The share of all-gather time during which the rank was computing (a unit's forward or
+    backward): communication hidden under computation. From a Timeline's spans, whose collectives
+    last from their issue to their completion (or the stage's wait, if earlier), never longer. (A
+    unit's span holds whatever else the rank did meanwhile: other observers' work at events inside it
+    too.)"""
+    gathers = spans_of(spans, "all-gather")
+    if not gathers:
+        raise ValueError("these spans hold no all-gather: hidden_share is for ZeRO-3/FSDP runs traced with trace=True")
+    return overlap(gathers, spans_of(spans, "forward", "backward")) / covered(gathers)
 
 
 def zero3_parameters(notes) -> list:
@@ -236,6 +244,8 @@ class StepMemory:
             self.activation_bytes = self._saved["bytes"]
         elif event == "backward pass done":
             self.grad_bytes_after_micro_batch.append(memory.tensor_bytes(stage.state_tensors()["grads"]))
+        elif event == "step failed":
+            self._counting.close()
 
 
 class PhaseTraffic:
@@ -274,9 +284,12 @@ class PhaseTraffic:
             self._begin("backward")
         elif event == "backward pass done":
             self._end()
-            self._begin("step")
+            if stage.last_micro_batch:
+                self._begin("step")
         elif event == "step done":
             self._end()
+        elif event == "step failed":
+            self._open.close()
 
 
 class Gradients:

@@ -32,8 +32,8 @@ def train_single(config: RunConfig, device=None) -> RunReport:
     memory.reset_cuda_peak(dev)
     losses, times, grad_norm, grads = [], [], None, None
     for step in range(config.steps):
-        t0 = time.perf_counter()
         x, y = global_batch(cfg, step, dtype, dev)
+        t0 = time.perf_counter()
         last = step == config.steps - 1
         with memory.saved_activations(exclude=params) if last else contextlib.nullcontext() as saved:
             loss = model.loss(model(x), y)  # (activations counted in the last step, as the pool's ranks do)
@@ -61,21 +61,16 @@ def train_single(config: RunConfig, device=None) -> RunReport:
     psi = num_params(model)
     state = {"params": params, "grads": [p.grad for p in params],
              "optimizer": memory.optimizer_tensors(opt) + (master if mixed else [])}
-    steady = times[1:] or times  # the first step pays for warm-up (allocations)
+    # as a pool's ranks time it: the unobserved steps after the first (warm-up), else what there is
+    unobserved = times[:-1]
+    steady = unobserved[1:] or unobserved or times
     # the fields a rank of a pool reports, for one process: nothing communicated, no micro-batches
     # (the reference takes the whole batch at once; grad_accum does not change its result)
     report = RankReport(
         rank=0, device=str(dev), num_params=psi, steps_taken=config.steps, final_loss=losses[-1],
         step_ms=statistics.median(steady) * 1e3, bytes=memory.measure(**state),
-        expected_bytes=expected_bytes(config, psi, world_size=1, stage=0), sent_bytes_per_step={},
-        calls_per_step={}, grad_norm=grad_norm, activation_bytes=saved["bytes"], grads=grads,
+        expected_bytes=memory.model_state_breakdown(psi, 1, 0, *memory.bytes_per_parameter(config.dtype, config.optimizer)),
+        sent_bytes_per_step={}, calls_per_step={}, grad_norm=grad_norm, activation_bytes=saved["bytes"], grads=grads,
         params={n: p.detach().cpu().clone() for n, p in model.named_parameters()}, **memory.cuda_memory(dev))
     return RunReport(config, 1, [report], report.params)
 
-
-def expected_bytes(config: RunConfig, psi: int, world_size: int, stage: int) -> dict:
-    """zeronb.memory's formula for this run's precision and optimizer: {"params", "grads", "optimizer"}."""
-    from .precision import precision
-
-    per = precision(config.dtype).bytes_per_parameter(config.optimizer)
-    return memory.model_state_breakdown(psi, world_size, stage if world_size > 1 else 0, *per)

@@ -137,7 +137,7 @@ class RankReport:
     num_params: int
     steps_taken: int                 # fewer than steps after a resume
     final_loss: float                # of the global batch (the ranks' local losses, averaged)
-    step_ms: float                   # median, leaving out the first step (warm-up) and an observed last one
+    step_ms: float                   # median of the unobserved steps after the first (warm-up); with fewer steps, what ran
     bytes: dict                      # {"params", "grads", "optimizer"}: storage the rank holds (zeronb.memory.measure)
     expected_bytes: dict             # what zeronb.memory's formula says it should
     sent_bytes_per_step: dict        # logical bytes per collective (zeronb.ledger)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import memory
-from .backend import device
+from .backend import device, device_mesh
 from .compat import dtensor, fully_shard, mixed_precision_policy
 from .zero.stage import Stage
 
@@ -34,20 +34,10 @@ def _allreduce_hook(state, bucket):
     return work.then(lambda fut: fut.value()[0] if send is buf else buf.copy_(fut.value()[0]))
 
 
-_meshes: dict = {}  # (world, device type, shape): a DeviceMesh costs process groups; made once
-
-
-def _mesh(device_type: str, replicas: int, shards: int):
-    """A 1-D mesh of the shard ranks, or with replicas a 2-D one: (replicas, shards), shards
-    consecutive (zeronb.zero.sharding_groups' layout). FSDP2 replicates over dimension 0."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    shape = (shards,) if replicas == 1 else (replicas, shards)
-    k = (id(dist.group.WORLD), device_type, shape)
-    if k not in _meshes:  # (FSDP2 asks for names on a 2-D mesh; which dimension replicates is their order)
-        names = ("shard",) if replicas == 1 else ("replicate", "shard")
-        _meshes[k] = init_device_mesh(device_type, shape, mesh_dim_names=names)
-    return _meshes[k]
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: an FSDP2 DTensor gathered from its shards, any other as it is."""
+    DTensor, _, _ = dtensor()
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 class TorchStage(Stage):
@@ -76,9 +66,10 @@ class TorchStage(Stage):
             if self.shard_group is not None and self.replica_group is None:
                 raise ValueError("FSDP2 here shards over all ranks, or over groups of consecutive ranks with "
                                  "replicas (zeronb.zero.sharding_groups)")
-            mesh = _mesh(dev.type, self.data_parallel // self.shards, self.shards)
+            mesh = device_mesh(self.shards, self.data_parallel // self.shards)
             self.wrapped = self.fully_shard(model, mesh, stage == 3, reshard_last_unit)
             self.optimizer = optimizer_class(model.parameters(), lr=cfg.lr, foreach=False)
+        self.claim_model()
 
     def fully_shard(self, model, mesh, reshard_after_forward: bool, reshard_last_unit: bool = True):
         """FSDP2's wrapping: `fully_shard` on each unit, bottom-up, then on the whole model. Each
@@ -91,6 +82,10 @@ class TorchStage(Stage):
             shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward and not keep, **kw)
         shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, **kw)
         return model
+
+    def detach(self):
+        raise ValueError("PyTorch's DDP and fully_shard cannot be taken off a model: build a new model "
+                         "(zeronb.models.make_model) for another stage")
 
     def loss(self, x, y):
         return self.model.loss(self.wrapped(x), y)
@@ -107,31 +102,23 @@ class TorchStage(Stage):
 
     def step(self):
         params = list(self.model.parameters())
+        self.tell("optimizer step", [p.grad for p in params])  # (before clipping, as zeronb's stages tell it)
         if self.config.clip_norm is not None:  # FSDP2's gradients are DTensors: the norm over every shard
             self._norm = torch.nn.utils.clip_grad_norm_(params, self.config.clip_norm)
-        self.tell("optimizer step", [p.grad for p in params])
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)  # (the gradients stay allocated, as DDP's buckets do)
 
     @property
     def last_grad_norm(self):
-        if self._norm is None:
-            return None
-        return (self._norm.full_tensor() if hasattr(self._norm, "full_tensor") else self._norm).item()
+        return None if self._norm is None else _full(self._norm).item()
 
     def state_tensors(self):
-        local = getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer: its own shard's
+        local = self.optimizer.optim if self.stage == 1 else self.optimizer  # ZeroRedundancyOptimizer: its shard's
         return {"params": list(self.model.parameters()), "grads": [p.grad for p in self.model.parameters()],
                 "optimizer": memory.optimizer_tensors(local)}
 
-    def _name(self, name: str) -> str:
-        return name.removeprefix("module.")  # DDP's wrapper adds it
-
     def full_parameters(self):
-        out = {}
-        for name, p in self.model.named_parameters():
-            out[self._name(name)] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-        return out
+        return {name: _full(p).detach().clone() for name, p in self.model.named_parameters()}
 
     def shard_pieces(self, tensors):
         """DDP and ZeroRedundancyOptimizer: whole gradients. FSDP2: each parameter's dim-0 shard
@@ -143,9 +130,9 @@ class TorchStage(Stage):
                 local = t.to_local()
                 rows = -(-p.shape[0] // self.shards)  # per rank
                 start = self.rank * rows * (p.numel() // p.shape[0])
-                out[self._name(name)] = (start, start + local.numel(), local.reshape(-1))
+                out[name] = (start, start + local.numel(), local.reshape(-1))
             else:
-                out[self._name(name)] = (0, t.numel(), t.reshape(-1))
+                out[name] = (0, t.numel(), t.reshape(-1))
         return out
 
     def checkpoint_state(self):
@@ -161,7 +148,7 @@ class TorchStage(Stage):
                     "optim": get_optimizer_state_dict(self.model, self.optimizer)}
         local = self.optimizer.optim
         init_state(local)
-        names = {p: self._name(n) for n, p in self.model.named_parameters()}
+        names = {p: n for n, p in self.model.named_parameters()}
         owned = {f"optim.{names[p]}.{k}": v for group in local.param_groups for p in group["params"]
                  for k, v in local.state[p].items()}
         return {"model": get_model_state_dict(self.model), **owned}

@@ -45,7 +45,7 @@ from .ledger import CommLedger
 from .models import checkpoint_activations, choose_units, local_batch, make_model, num_params
 from .observe import Gradients, MemoryTrace, PhaseTraffic, StepMemory, Timeline
 from .parity import grad_diff, max_diff  # noqa: F401  (where the chapters and tests find them)
-from .reference import expected_bytes, train_single
+from .reference import train_single
 from .runs import RankReport, RunConfig, RunReport
 
 __all__ = ["RunConfig", "RunReport", "RankReport", "run", "run_many", "train_rank", "train_single",
@@ -89,35 +89,44 @@ def train_rank(config: RunConfig, build=None) -> RankReport:
         from . import checkpoint
 
         first = checkpoint.load(stage, config.resume)["steps_done"]
-    # the last step is watched from outside (zeronb.observe); the others run unobserved
+    # the last step is watched from outside (zeronb.observe, and a CommLedger counting its bytes);
+    # the others run with nothing watching, and are the ones timed
     step_memory, gradients = StepMemory(), Gradients()
     traced = [Timeline(dev), MemoryTrace(), PhaseTraffic(wire)] if config.trace else []
     memory.reset_cuda_peak(dev)  # the peak this run reaches, not an earlier call's on this rank
     losses, times = [], []
-    for step in range(first, config.steps):
-        x, y = local_batch(cfg, step, rank, n, dtype, dev)
-        stage.observers = [step_memory, gradients, *traced] if step == config.steps - 1 else []
+    try:
+        for step in range(first, config.steps - 1):
+            x, y = local_batch(cfg, step, rank, n, dtype, dev)
+            dist.barrier()
+            t0 = time.perf_counter()
+            losses.append(stage.train_step(x, y, micro_batches=config.grad_accum))
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        x, y = local_batch(cfg, config.steps - 1, rank, n, dtype, dev)
+        stage.observers = [step_memory, gradients, *traced]
         dist.barrier()
         t0 = time.perf_counter()
         with CommLedger(wire=wire) as ledger:
             losses.append(stage.train_step(x, y, micro_batches=config.grad_accum))
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    stage.observers = []
+        observed_ms = (time.perf_counter() - t0) * 1e3
+    finally:
+        stage.observers = []  # (a pool's rank lives on: nothing of this run stays attached)
     if config.checkpoint:
         from . import checkpoint
 
         checkpoint.save(stage, config.checkpoint, {**config.settings(), "steps_done": config.steps})
     loss = torch.tensor([losses[-1]], dtype=torch.float64, device=dev)
     dist.all_reduce(loss)  # equal local batches: the mean of local losses is the global batch's loss
-    psi = num_params(model)
-    steady = times[1:-1] or times[1:] or times  # the first step warms up; the last one is observed
+    psi, per_parameter = num_params(model), memory.bytes_per_parameter(config.dtype, config.optimizer)
+    # the median unobserved step after the first (which warms up); the observed one if none other ran
+    step_ms = statistics.median(times[1:] or times) * 1e3 if times else observed_ms
     timeline = traced[0] if traced else None
     return RankReport(
         rank=rank, device=str(dev), num_params=psi, steps_taken=config.steps - first, final_loss=loss.item() / n,
-        step_ms=statistics.median(steady) * 1e3, bytes=memory.measure(**stage.state_tensors()),
-        expected_bytes=expected_bytes(config, psi, stage.shards, config.stage),
+        step_ms=step_ms, bytes=memory.measure(**stage.state_tensors()),
+        expected_bytes=memory.model_state_breakdown(psi, stage.shards, config.stage, *per_parameter),
         sent_bytes_per_step=dict(ledger.by_op), calls_per_step=dict(ledger.calls), wire_bytes_per_step=ledger.wire_bytes,
         grad_norm=stage.last_grad_norm if config.clip is not None else None,
         activation_bytes=step_memory.activation_bytes,

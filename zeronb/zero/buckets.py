@@ -94,12 +94,11 @@ class Bucket:
         it - holds, parameter by parameter: {name: (start, stop, values)}, start and stop counted
         in the flattened parameter. (A parameter may be cut between two ranks' chunks.)"""
         lo, hi = (0, self.padded) if rank is None else (rank * self.chunk_numel, (rank + 1) * self.chunk_numel)
-        flat_chunk = flat
         out = {}
         for p, o in zip(self.params, self.offsets):
             a, b = max(lo, o), min(hi, o + p.numel())
             if a < b:
-                out[names[p]] = (a - o, b - o, flat_chunk[a - lo:b - lo])
+                out[names[p]] = (a - o, b - o, flat[a - lo:b - lo])
         return out
 
 

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..backend import per_world
 from ..precision import Precision, check_optimizer, precision
 
 REDUCE_SCATTERS = ("torch", "ring")
@@ -64,16 +65,11 @@ def sharding_groups(shard_size: int) -> tuple:
         raise ValueError(f"shard_size must divide the {n} ranks, not {shard_size}")
     if shard_size == n:
         return None, None
-    if _groups.get("world") is not dist.group.WORLD:  # a new process group: the old subgroups are gone
-        _groups.clear()
-        _groups["world"] = dist.group.WORLD
-    if shard_size not in _groups:
+    def make():
         shards, _ = dist.new_subgroups_by_enumeration(
             [list(range(s, s + shard_size)) for s in range(0, n, shard_size)])
         replicas, _ = dist.new_subgroups_by_enumeration(
             [list(range(i, n, shard_size)) for i in range(shard_size)])
-        _groups[shard_size] = (shards, replicas)
-    return _groups[shard_size]
+        return shards, replicas
 
-
-_groups: dict = {}  # shard_size -> (shard group, replica group), for one world: a group costs connections
+    return per_world(("sharding", shard_size), make)

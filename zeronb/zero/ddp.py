@@ -27,6 +27,9 @@ class NaiveDDP(FlatStage):
 
     def __init__(self, model, config=None, observers=()):
         super().__init__(model, config, observers)
+        if self.config.reduce_dtype is not None or self.config.sync_each_micro_batch:
+            raise ValueError("NaiveDDP is the plain sketch: one all-reduce per gradient after the last micro-batch, in "
+                             "the parameters' dtype; for reduce_dtype or sync_each_micro_batch use DDP")
         self.params = [p for p in model.parameters() if p.requires_grad]
         # one "bucket" per parameter, unpadded: only checkpoints and parity checks look at them
         self.buckets = [Bucket([p], 1, self.names[p]) for p in self.params]
@@ -54,25 +57,17 @@ class DDP(FlatStage):
     def __init__(self, model, config=None, observers=(), bucket_bytes: int | None = 64 << 10):
         super().__init__(model, config, observers)
         self.buckets = make_buckets(list(model.parameters()), self.shards, bucket_bytes)
-        self.bucket_of = {p: b for b in self.buckets for p in b.params}
         for b in self.buckets:
             b.keep_grads_flat()  # autograd accumulates each gradient into the bucket's flat buffer
-            for p in b.params:
-                p.register_post_accumulate_grad_hook(self._grad_ready)
+        self.hook_gradients(self.buckets)
         # every rank updates the whole (replicated) model
         self.optimizer = ShardOptimizer([b.data for b in self.buckets], self.config, sharded=False)
 
-    def begin_micro_batch(self):
-        for b in self.buckets:
-            b.reset()
+    def bucket_complete(self, b):
+        if self.sync_now():  # send it while backward goes on (accumulating: after the last micro-batch)
+            self.all_reduce_bucket(b)
 
-    def _grad_ready(self, p):
-        b = self.bucket_of[p]
-        self.tell("gradient ready", p)
-        if b.mark_ready(p) and self.sync_now():  # the bucket is complete: send it while backward goes on
-            self._all_reduce(b)
-
-    def _all_reduce(self, b):
+    def all_reduce_bucket(self, b):
         """Start the bucket's all-reduce, of its gradients divided by N first, as PyTorch's DDP does
         (dividing first keeps a sum of fp16 gradients from overflowing): the sum that comes back is
         the average. With accumulation, the next micro-batch's backward adds into that average, and

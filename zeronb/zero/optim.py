@@ -32,7 +32,7 @@ class ShardOptimizer:
             master.grad = grad.float() if self.mixed else grad
         if self.config.clip_norm is not None:
             self._norm = clip_by_global_norm_([m.grad for m in self.master], self.config.clip_norm,
-                                                       self.group if self.sharded else False)
+                                              sharded=self.sharded, group=self.group)
         self.optimizer.step()
         for master in self.master:
             master.grad = None
@@ -80,19 +80,19 @@ def init_state(optimizer: torch.optim.Optimizer) -> None:
                              exp_avg_sq=torch.zeros_like(p))
 
 
-def clip_by_global_norm_(grads: list, max_norm: float, group=None) -> float:
+def clip_by_global_norm_(grads: list, max_norm: float, sharded: bool = True, group=None) -> torch.Tensor:
     """Scale `grads` in place, as torch.nn.utils.clip_grad_norm_ would on one process holding the
     whole model: by max_norm / (norm + 1e-6), capped at 1, where norm is the 2-norm of the whole
-    model's gradient. Sharded, each rank of `group` holds a piece of it: each adds up the squares
+    model's gradient. `sharded`: each rank of `group` holds a piece of it; each adds up the squares
     of its own piece, and one all-reduce of that single number gives every rank the same total, so
-    every rank scales by the same factor. `group=False`: this rank holds the whole gradient.
+    every rank scales by the same factor. Not sharded: this rank holds the whole gradient.
     Returns the norm before clipping, as a tensor (reading it with .item() would make the CPU wait
     for a GPU's queued work)."""
     acc = torch.promote_types(grads[0].dtype, torch.float32)  # bf16 squares are summed in fp32
     squares = torch.zeros(1, dtype=acc, device=grads[0].device)
     for g in grads:
         squares += g.to(acc).pow(2).sum()
-    if group is not False:
+    if sharded:
         dist.all_reduce(squares, group=group)
     norm = squares.sqrt()
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)

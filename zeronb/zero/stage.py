@@ -16,11 +16,19 @@ points listed in zeronb.observe, and nothing is recorded, timed or walked when t
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.distributed as dist
 
+from ..backend import device_mesh
+from ..compat import all_gather_single, dtensor
+from ..shards import shard_numel
+from .buckets import reduce_scatter_into
 from .config import StageConfig
+
+
+_attached = weakref.WeakSet()  # the models a stage has hooked: a second stage would double the hooks
 
 
 class Stage:
@@ -37,8 +45,12 @@ class Stage:
     stage: int = None  # 0 (DDP) .. 3
 
     def __init__(self, model: torch.nn.Module, config: StageConfig | None = None, observers=()):
+        if model in _attached:
+            raise ValueError("this model is hooked by another stage already, whose hooks would fire too: build a "
+                             "new model (zeronb.models.make_model), or call the other stage's detach() first")
         self.model, self.config = model, config or StageConfig()
         self.observers = list(observers)
+        self.hooks = []  # the handles of the hooks the stage put on the model: detach() removes them
         dtype = self.config.dtype
         if any(p.dtype != dtype for p in model.parameters()):
             raise ValueError(f"precision {self.config.precision!r} needs the model's parameters in {dtype}; "
@@ -50,6 +62,19 @@ class Stage:
         self.data_parallel = self.shards * replicas  # the ranks whose gradients are averaged
         self.last_micro_batch = True
 
+    def claim_model(self) -> None:
+        """Mark the model as hooked by this stage (done when the hooks go on): another stage's
+        hooks would fire too, so another stage is refused until `detach`."""
+        _attached.add(self.model)
+
+    def detach(self) -> None:
+        """Take the stage's hooks off the model (it keeps the parameters' current values), so that
+        another stage can train it."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
+        _attached.discard(self.model)
+
     # -- the step -----------------------------------------------------------------------------
 
     def train_step(self, x, y, micro_batches: int = 1) -> float:
@@ -58,18 +83,22 @@ class Stage:
             raise ValueError(f"this rank's batch of {len(x)} rows does not split into {micro_batches} equal "
                              "micro-batches; choose a number of micro-batches that divides it")
         losses = []
-        for i, (xi, yi) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
-            self.last_micro_batch = i == micro_batches - 1
-            self.begin_micro_batch()
-            self.tell("forward pass", i)
-            with self.gradient_sync(self.sync_now()):
-                loss = self.loss(xi, yi) / micro_batches
-                self.tell("backward pass", i)
-                loss.backward()
-            self.end_micro_batch()
-            self.tell("backward pass done", i)
-            losses.append(loss.detach())
-        self.step()
+        try:
+            for i, (xi, yi) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
+                self.last_micro_batch = i == micro_batches - 1
+                self.begin_micro_batch()
+                self.tell("forward pass", i)
+                with self.gradient_sync(self.sync_now()):
+                    loss = self.loss(xi, yi) / micro_batches
+                    self.tell("backward pass", i)
+                    loss.backward()
+                self.end_micro_batch()
+                self.tell("backward pass done", i)
+                losses.append(loss.detach())
+            self.step()
+        except BaseException:
+            self.tell("step failed")  # (an observer may hold something open until the step ends)
+            raise
         self.tell("step done")
         return torch.stack(losses).sum().item()  # (after the step: .item() waits for a GPU)
 
@@ -142,13 +171,57 @@ class FlatStage(Stage):
 
     sharded = True
 
+    # -- what the stages share: gradient hooks, and the collectives on buckets ----------------
+
+    def hook_gradients(self, buckets: list) -> None:
+        """Call `bucket_complete(b)` as soon as backward has produced the last gradient of bucket b
+        (autograd's post-accumulate-grad hook on every parameter tells which has landed)."""
+        self.bucket_of = {p: b for b in buckets for p in b.params}
+        self.hooks += [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.bucket_of]
+        self.claim_model()
+
+    def _grad_ready(self, p):
+        b = self.bucket_of[p]
+        self.tell("gradient ready", p)
+        if b.mark_ready(p):
+            self.bucket_complete(b)
+
+    def bucket_complete(self, b) -> None:
+        """Every gradient of bucket b has landed in this micro-batch's backward."""
+
+    def begin_micro_batch(self):
+        for b in self.buckets:
+            b.reset()  # no gradient has landed yet
+
+    def reduce_scatter_bucket(self, b) -> None:
+        """The bucket's gradients move into one flat tensor, which is reduce-scattered into this
+        rank's shard, `b.grad_shard` (added to what is there); then that tensor goes too: only the
+        shard remains. In reduce_dtype if one is set; through zeronb's ring if config says so."""
+        b.comm = b.take_grads()
+        self.tell("reduce-scatter", b)
+        reduce_scatter_into(b.grad_shard, b.comm, dtype=self.config.reduce_dtype, group=self.shard_group,
+                            ring=self.config.reduce_scatter == "ring")
+        b.comm = None
+        self.tell("reduce-scatter done", b)
+
+    def gather_parameters(self) -> None:
+        """Every bucket's full parameters again, from every rank's (updated or loaded) shard."""
+        for b in self.buckets:
+            all_gather_single(b.data, b.chunk(self.rank).clone(), group=self.shard_group)
+            self.tell("gathered", b)
+
     def average_(self, grads: list, divided: int = 1) -> list:
         """In place: the gradients summed over the replicas (ranks that hold the same shards, if
-        any: only shards travel) and divided by the number of ranks that contributed, the average
-        gradient (gloo has no AVG reduction). `divided`: by what they were divided already."""
+        any: only shards travel; in reduce_dtype if one is set) and divided by the number of ranks
+        that contributed, the average gradient (gloo has no AVG reduction). `divided`: by what they
+        were divided already."""
         if self.replica_group is not None:
+            dtype = self.config.reduce_dtype
             for g in grads:
-                dist.all_reduce(g, group=self.replica_group)
+                send = g if dtype in (None, g.dtype) else g.to(dtype)
+                dist.all_reduce(send, group=self.replica_group)
+                if send is not g:
+                    g.copy_(send)
         if self.data_parallel != divided:
             for g in grads:
                 g.div_(self.data_parallel // divided)
@@ -170,14 +243,35 @@ class FlatStage(Stage):
         return out
 
     def checkpoint_state(self):
-        from ..checkpoint import flat_state
-
-        return flat_state(self)
+        """The flat buckets' shards, as 1-D DTensors of the whole bucket (sharded) or the buckets
+        themselves: the stage's own tensors (views of its shards and of the optimizer's state), so
+        that torch.distributed.checkpoint loads straight into them."""
+        if self.replica_group is not None:
+            raise ValueError("a checkpoint of a stage with a replica group (HSDP) is not supported; save from a "
+                             "run sharded over all of its ranks")
+        opt = self.optimizer
+        opt.init_state()  # (a no-op after the first step; before it, what loading writes into)
+        DTensor, Shard, _ = dtensor()
+        state = {}
+        for i, (bucket, shard) in enumerate(zip(self.buckets, opt.shards)):
+            per_element = {k: v for k, v in opt.state_of(i).items() if k != "step"}  # Adam's moments; SGD: none
+            kinds = {"params": shard, **per_element, **({"master": opt.master[i]} if opt.mixed else {})}
+            for kind, t in kinds.items():
+                if self.sharded:  # this rank's chunk, less its padding: torch.chunk's piece of the bucket
+                    local = t[:shard_numel(bucket.numel, self.shards, self.rank)]
+                    state[f"{bucket.name}.{kind}"] = DTensor.from_local(
+                        local, device_mesh(self.shards, group=self.shard_group), [Shard(0)], run_check=False,
+                        shape=(bucket.numel,), stride=(1,))
+                else:  # the whole bucket, the same on every rank
+                    state[f"{bucket.name}.{kind}"] = t[:bucket.numel]
+            if "step" in opt.state_of(i):
+                state["optimizer.step"] = opt.state_of(i)["step"]  # every bucket's: the same count
+        return state
 
     def load_checkpoint_state(self, state):
-        from ..checkpoint import after_flat_load
-
-        after_flat_load(self, state)
+        if "optimizer.step" in state:  # what loading could not write in place: into every shard's state
+            for s in self.optimizer.states():
+                s["step"].copy_(state["optimizer.step"])
         self.after_load()
 
     def after_load(self) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from ..compat import all_gather_single
 from .buckets import make_buckets, reduce_scatter_into
 from .optim import ShardOptimizer
 from .stage import FlatStage
@@ -55,11 +54,10 @@ class ZeRO1(FlatStage):
         self.update(self.average_([self.grad_shard]))
         self.grad_shard = None
         # 4. all-gather the updated shards into the full parameters
-        all_gather_single(self.flat.data, self.shard.clone(), group=self.shard_group)
-        self.tell("gathered", self.flat)
+        self.gather_parameters()
 
     def after_load(self):
-        all_gather_single(self.flat.data, self.shard.clone(), group=self.shard_group)  # every rank's loaded shard
+        self.gather_parameters()  # every rank's loaded shard
 
     def state_tensors(self):
         return {"params": [self.flat.data], "grads": [self.flat.grad, self.grad_shard],

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compat import all_gather_single
-from .buckets import make_buckets, reduce_scatter_into
+from .buckets import make_buckets
 from .optim import ShardOptimizer
 from .stage import FlatStage
 
@@ -32,44 +31,25 @@ class ZeRO2(FlatStage):
         parameters' (torch.float32 in bf16-mixed: the recipe behind "2N + 16N/M", chapter 6)."""
         super().__init__(model, config, observers)
         self.buckets = make_buckets(list(model.parameters()), self.shards, bucket_bytes)
-        self.bucket_of = {p: b for b in self.buckets for p in b.params}
         for b in self.buckets:
             # the summed gradient of this rank's chunk: the only gradient memory that stays
             b.grad_shard = torch.zeros_like(b.chunk(self.rank), dtype=grad_shard_dtype)
-            for p in b.params:
-                p.register_post_accumulate_grad_hook(self._grad_ready)
+        self.hook_gradients(self.buckets)
         self.optimizer = ShardOptimizer([b.chunk(self.rank) for b in self.buckets], self.config,
                                         group=self.shard_group)
 
-    def begin_micro_batch(self):
-        for b in self.buckets:
-            b.reset()
-
-    def _grad_ready(self, p):
-        b = self.bucket_of[p]
-        self.tell("gradient ready", p)
-        if b.mark_ready(p) and self.sync_now():  # (accumulating: the full gradients add up until the last micro-batch)
-            self.reduce_bucket(b)
-
-    def reduce_bucket(self, b):
-        """The bucket is complete: its gradients move into one flat tensor, which is reduce-scattered
-        into this rank's shard; then that tensor goes too. Only the shard remains."""
-        b.comm = b.take_grads()
-        self.tell("reduce-scatter", b)
-        reduce_scatter_into(b.grad_shard, b.comm, dtype=self.config.reduce_dtype, group=self.shard_group,
-                            ring=self.config.reduce_scatter == "ring")
-        b.comm = None
-        self.tell("reduce-scatter done", b)
+    def bucket_complete(self, b):
+        if self.sync_now():  # (accumulating: the full gradients add up until the last micro-batch)
+            self.reduce_scatter_bucket(b)  # only this rank's shard of the sum stays
 
     def step(self):
         self.update(self.average_([b.grad_shard for b in self.buckets]))
         for b in self.buckets:
-            all_gather_single(b.data, b.chunk(self.rank).clone(), group=self.shard_group)
             b.grad_shard.zero_()
+        self.gather_parameters()
 
     def after_load(self):
-        for b in self.buckets:
-            all_gather_single(b.data, b.chunk(self.rank).clone(), group=self.shard_group)  # every rank's loaded shard
+        self.gather_parameters()  # every rank's loaded shard
 
     def state_tensors(self):
         # the shards, and any full gradient still waiting for its bucket (or for the last micro-batch)

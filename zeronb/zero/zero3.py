@@ -17,8 +17,9 @@ backward, which come right after each other: that saves one all-gather of it.)
 
 `prefetch=True` issues the all-gather of the next unit (in forward order, and in backward order)
 before the current one computes, without waiting for it, so that the transfer overlaps the
-computation, as FSDP does. Nothing here waits for a collective before it is needed: on a GPU
-the all-gather runs on NCCL's stream while the unit's kernels run on the compute stream.
+computation, as FSDP does. No all-gather is waited for before its unit needs it: on a GPU it runs
+on NCCL's stream while the unit's kernels run on the compute stream. (The reduce-scatter, as in
+ZeRO-2, is synchronous.)
 
 How the parameters "disappear": each parameter is a view into the unit's flat buffer, and freeing
 resizes that buffer's storage to 0 bytes; gathering resizes it back and fills it. Autograd keeps
@@ -31,7 +32,7 @@ import warnings
 import torch
 
 from ..compat import all_gather_single
-from .buckets import Bucket, reduce_scatter_into
+from .buckets import Bucket
 from .optim import ShardOptimizer
 from .stage import FlatStage
 
@@ -71,6 +72,20 @@ class Unit(Bucket):
         self.gathered = True
 
 
+def check_units(model: torch.nn.Module, modules: list) -> None:
+    """Every trainable parameter in exactly one unit: one in none would never be gathered nor
+    trained, one in two would be handled twice."""
+    owned = [p for m in modules for p in m.parameters()]
+    if len(set(owned)) != len(owned):
+        raise ValueError("a parameter is in two units (one unit module inside another?): choose modules that "
+                         "share no parameters")
+    names = [n for n, p in model.named_parameters() if p.requires_grad and p not in set(owned)]
+    if names:
+        raise ValueError(f"{len(names)} parameters are in no unit and would never train ({', '.join(names[:3])}"
+                         f"{', ...' if len(names) > 3 else ''}): add the modules that own them to the units, or use "
+                         "the whole model as one unit")
+
+
 class ZeRO3(FlatStage):
     stage = 3
 
@@ -81,15 +96,14 @@ class ZeRO3(FlatStage):
         super().__init__(model, config, observers)
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         modules = model.units() if units is None else units
+        check_units(model, modules)
         self.units = self.buckets = [Unit(i, m, self.rank, self.shards) for i, m in enumerate(modules)]
-        self.unit_of = {p: u for u in self.units for p in u.params}
         for u in self.units:
-            u.module.register_forward_pre_hook(lambda m, args, u=u: self._before_forward(u))
-            u.module.register_forward_hook(lambda m, args, out, u=u: self._after_forward(u))
-            u.module.register_full_backward_pre_hook(lambda m, grad_out, u=u: self._before_backward(u))
-            for p in u.params:
-                p.register_post_accumulate_grad_hook(self._grad_ready)
+            self.hooks += [u.module.register_forward_pre_hook(lambda m, args, u=u: self._before_forward(u)),
+                           u.module.register_forward_hook(lambda m, args, out, u=u: self._after_forward(u)),
+                           u.module.register_full_backward_pre_hook(lambda m, grad_out, u=u: self._before_backward(u))]
             u.free()
+        self.hook_gradients(self.units)  # -> bucket_complete(u) when the unit's last gradient lands
         self.optimizer = ShardOptimizer([u.shard for u in self.units], self.config, group=self.shard_group)
 
     # -- the hooks, in the order they fire ------------------------------------------------------
@@ -98,7 +112,6 @@ class ZeRO3(FlatStage):
         self._gather(u)
         if self.prefetch and u.index + 1 < len(self.units):
             self._issue_gather(self.units[u.index + 1])  # overlap: the next unit's all-gather
-        u.reset()
         self.tell("forward", u)
 
     def _after_forward(self, u):
@@ -113,20 +126,12 @@ class ZeRO3(FlatStage):
             self._issue_gather(self.units[u.index - 1])
         self.tell("backward", u)
 
-    def _grad_ready(self, p):
-        u = self.unit_of[p]
-        self.tell("gradient ready", p)
-        if not u.mark_ready(p):
-            return
+    def bucket_complete(self, u):
+        """The unit's last gradient has landed: reduce-scatter its gradients into the shard (ZeRO-2's
+        way), and free its full parameters."""
         self.tell("backward done", u)
         if self.sync_now():  # (else, accumulating: the full gradients stay until the last micro-batch)
-            # the unit's gradients are complete: reduce-scatter them into the shard
-            u.comm = u.take_grads()
-            self.tell("reduce-scatter", u)
-            reduce_scatter_into(u.grad_shard, u.comm, dtype=self.config.reduce_dtype, group=self.shard_group,
-                                ring=self.config.reduce_scatter == "ring")
-            u.comm = None
-            self.tell("reduce-scatter done", u)
+            self.reduce_scatter_bucket(u)
         self._free(u)
 
     # -- gathering and freeing ------------------------------------------------------------------
