@@ -26,14 +26,20 @@ def toc_files() -> list[str]:
 def gloo_pool():
     """`gloo_pool(n)`: a running gloo pool of n ranks, started once for the whole session and shared.
     A test must leave it usable: tests that break a pool on purpose, or need other settings, start
-    their own. (A call that fails restarts the pool on the next call anyway.)"""
-    from zeronb import Cluster
+    their own. Yet a test that kills the helper process which forks every pool's ranks (test_faults)
+    takes the shared pools' ranks with it: a first call finds that out, and the next restarts them."""
+    from zeronb import Cluster, RankError
 
     pools = {}
 
     def get(n: int):
         if n not in pools or pools[n].closed:
             pools[n] = Cluster(n, backend="gloo", verbose=False)
+        else:
+            try:
+                pools[n].run(int, echo=False, timeout=60)
+            except RankError:  # its ranks are gone: the pool restarts them on the next call
+                pass
         return pools[n]
 
     yield get

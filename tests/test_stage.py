@@ -1,8 +1,7 @@
 """What the Stage interface promises beyond parity: a step that fails lets its observers go; a
 model trains under one stage at a time; ZeRO-3's units hold every parameter once; a stage refuses
-the settings it cannot honour; replicas reduce in reduce_dtype; and a run measures only the step
-it watches, so the steps it times run with nothing watching."""
-import pytest
+the settings it cannot honour; and a run measures only the step it watches, so the steps it times
+run with nothing watching. (That replicas reduce in reduce_dtype is in test_zero, with HSDP.)"""
 import torch
 
 from zeronb.models import Config, local_batch, make_model
@@ -71,20 +70,7 @@ def test_a_second_stage_bad_units_and_unsupported_settings_are_refused_with_what
     assert "detach()" in errors["second stage"] and "make_model" in errors["second stage"]
     assert "in no unit" in errors["missing"] and "embed" in errors["missing"]
     assert "two units" in errors["twice"]
-    assert "use DDP" in errors["naive"]
-
-
-# --- replicas (HSDP) reduce in reduce_dtype too ------------------------------------------------------
-
-def test_the_replicas_all_reduce_in_reduce_dtype(gloo_pool):
-    keys = [(s, rd) for s in (1, 2, 3) for rd in ("fp32", "bf16")]
-    res = dict(zip(keys, run_many([RunConfig(model="gpt", stage=s, dtype="float32", shard_size=2, reduce_dtype=rd,
-                                             steps=2) for s, rd in keys], gloo_pool(4))))
-    for stage in (1, 2, 3):
-        for rank in range(4):
-            fp32, bf16 = (res[stage, rd].ranks[rank].sent_bytes_per_step for rd in ("fp32", "bf16"))
-            assert 2 * bf16["all_reduce"] == fp32["all_reduce"] > 0, (stage, fp32, bf16)
-            assert 2 * bf16["reduce_scatter"] == fp32["reduce_scatter"] > 0, (stage, fp32, bf16)
+    assert "for reduce_dtype use DDP" in errors["naive"]
 
 
 # --- only the observed step is measured --------------------------------------------------------------

@@ -31,9 +31,13 @@ def _measure(op, numel):
     return ledger.bytes_sent, ledger.wire_bytes, len(ledger._wire.by_connection)
 
 
-@pytest.fixture(params=[2, 3, 4])
-def pool(request, gloo_pool):
-    return gloo_pool(request.param)
+@pytest.fixture(scope="module", params=[2, 3, 4])
+def pool(request):
+    """A pool of its own: the shared ones may have made subgroups, each with connections of its own."""
+    from zeronb import Cluster
+
+    with Cluster(request.param, backend="gloo", verbose=False) as c:
+        yield c
 
 
 @pytest.mark.parametrize("op", ["ring_all_reduce", "all_reduce"])

@@ -170,6 +170,19 @@ def test_the_replicas_exchange_shards_only(hsdp_runs, stage):
     assert r0.sent_bytes_per_step["reduce_scatter"] == ring_bytes("reduce_scatter", 2 * shard, 2, 8)
 
 
+def test_the_replicas_all_reduce_in_reduce_dtype(gloo_pool):
+    """4 ranks, shards over pairs: the replicas' all-reduce travels in reduce_dtype, as the
+    reduce-scatter does - bf16 halves both."""
+    keys = [(s, rd) for s in (1, 2, 3) for rd in ("fp32", "bf16")]
+    res = dict(zip(keys, run_many([RunConfig(model="gpt", stage=s, dtype="float32", shard_size=2, reduce_dtype=rd,
+                                             steps=2) for s, rd in keys], gloo_pool(4))))
+    for stage in (1, 2, 3):
+        for rank in range(4):
+            fp32, bf16 = (res[stage, rd].ranks[rank].sent_bytes_per_step for rd in ("fp32", "bf16"))
+            assert 2 * bf16["all_reduce"] == fp32["all_reduce"] > 0, (stage, fp32, bf16)
+            assert 2 * bf16["reduce_scatter"] == fp32["reduce_scatter"] > 0, (stage, fp32, bf16)
+
+
 # --- observers: nothing when there are none -----------------------------------------------------------
 
 def _count_clock_reads_and_walks(stage_number, observed):

@@ -27,13 +27,17 @@ class NaiveDDP(FlatStage):
 
     def __init__(self, model, config=None, observers=()):
         super().__init__(model, config, observers)
-        if self.config.reduce_dtype is not None or self.config.sync_each_micro_batch:
-            raise ValueError("NaiveDDP is the plain sketch: one all-reduce per gradient after the last micro-batch, in "
-                             "the parameters' dtype; for reduce_dtype or sync_each_micro_batch use DDP")
+        if self.config.reduce_dtype is not None:
+            raise ValueError("NaiveDDP all-reduces in the parameters' dtype; for reduce_dtype use DDP")
         self.params = [p for p in model.parameters() if p.requires_grad]
         # one "bucket" per parameter, unpadded: only checkpoints and parity checks look at them
         self.buckets = [Bucket([p], 1, self.names[p]) for p in self.params]
         self.optimizer = ShardOptimizer(self.params, self.config, sharded=False)
+
+    def end_micro_batch(self):
+        if not self.last_micro_batch and self.config.sync_each_micro_batch:
+            raise ValueError("NaiveDDP all-reduces once, after the last micro-batch: accumulate with "
+                             "sync_each_micro_batch=False (accum_sync='last'), or use DDP")
 
     def step(self):
         for p in self.params:
