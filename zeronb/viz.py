@@ -9,7 +9,7 @@
     snaps = ring_state(summaries, world_size=4)   # what each rank holds after each step (plain data)
     ring_figures(summaries)                       # every step, side by side
     ring_animation(summaries)                     # the same steps as an animation (HTML)
-    timeline(summaries)                           # when each step's send was in flight, per rank
+    timeline(summaries)                           # when each step was in flight (send to receive), per rank
 
 Nothing here knows the ring algorithm. `ring_state` replays the trace: it starts every rank with
 its own data and applies the transfers that the ranks *say* they made (each trace event names the
@@ -353,8 +353,8 @@ def _offline_player(html: str) -> str:
 # --- when things happened ----------------------------------------------------------------------
 
 def timeline(summaries, *, title: str | None = None):
-    """Per rank, a bar for each ring step's send, from when it was posted to when it (and the
-    receive of the same step) had completed, as the rank measured them with time.perf_counter.
+    """Per rank, a bar for each ring step, from when its first send was posted to when its last
+    segment had been received (and added), as the rank measured them with time.perf_counter.
     Step s of a phase is drawn on lane s of the rank's row, so that steps that overlap in time
     (the pipeline: a segment is forwarded as soon as it has arrived) show as overlapping bars."""
     events = [e for e in trace_events(summaries) if e["kind"] == "send"]
@@ -374,7 +374,7 @@ def timeline(summaries, *, title: str | None = None):
             ax.text(x + width / 2, e["src"] + 0.85 * lane, str(e["step"] + 1), ha="center", va="center",
                     fontsize=8, color="white")
     ops = sorted({OP_NAMES.get(e["op"], e["op"]) for e in events})
-    ax.set_title(title or f"{', '.join(ops)} on {n} ranks: each step's send, as measured on each rank\n"
+    ax.set_title(title or f"{', '.join(ops)} on {n} ranks: each step, from its send to its receive, on each rank\n"
                  "(one lane per step: bars that overlap in time were in flight together)",
                  fontsize=11)
     ax.set_xlabel("time since the first send was posted (ms)")
