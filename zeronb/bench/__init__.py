@@ -3,8 +3,8 @@
 Figures are measured side by side in one run and printed as ratios, because this kind of machine
 (a couple of shared cores) is noisy: medians over many calls, alternatives interleaved.
 """
-from .collectives import collectives, copy_ceiling, fit_alpha_beta, memcpy_bandwidth, speedups
+from .collectives import collectives, copy_ceiling, fit_alpha_beta, fit_residuals, memcpy_bandwidth, speedups
 from .dispatch import dispatch
 from .stages import zero
 
-__all__ = ["collectives", "copy_ceiling", "dispatch", "fit_alpha_beta", "memcpy_bandwidth", "speedups", "zero"]
+__all__ = ["collectives", "copy_ceiling", "dispatch", "fit_alpha_beta", "fit_residuals", "memcpy_bandwidth", "speedups", "zero"]

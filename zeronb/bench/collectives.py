@@ -58,58 +58,81 @@ def _time_collectives(nbytes: int, ops, impls, reps: int, segment_bytes: int) ->
     return {f"{op}/{impl}": statistics.median(v) for (op, impl), v in times.items()}
 
 
-def memcpy_bandwidth(nbytes: int = 64 << 20, reps: int = 5, device="cpu") -> float:
-    """Bytes per second of one large tensor copy on `device` (bytes copied, not read + written).
-    On the CPU it is the physical bound of a pool on one machine: every byte a collective moves is
-    copied through memory (loopback TCP copies it twice: into the kernel and out again). On a GPU
-    it is the GPU's own device-to-device copy, timed with CUDA events."""
+def memcpy_bandwidth(nbytes: int = 64 << 20, reps: int = 5, device="cpu", to=None) -> float:
+    """Bytes per second of one large tensor copy from `device` to `to` (default: the same device;
+    bytes copied, not read + written), the median of `reps`. On the CPU it is the physical bound
+    of a pool on one machine: every byte a collective moves is copied through memory (loopback TCP
+    copies it twice: into the kernel and out again). From one GPU to another it crosses the link
+    between them (NVLink or PCIe), the path NCCL's bytes take."""
     import torch
 
     device = torch.device(device)
-    src, dst = torch.randn(nbytes // 4, device=device), torch.empty(nbytes // 4, device=device)
+    to = device if to is None else torch.device(to)
+    src, dst = torch.randn(nbytes // 4, device=device), torch.empty(nbytes // 4, device=to)
+
+    def wait():  # a GPU copy is queued: wait for both ends before reading the clock
+        for d in {device, to}:
+            if d.type == "cuda":
+                torch.cuda.synchronize(d)
+
     dst.copy_(src)
     ts = []
     for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            ts.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            ts.append(time.perf_counter() - t0)
+        wait()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        wait()
+        ts.append(time.perf_counter() - t0)
     return nbytes / statistics.median(ts)
 
 
-def _copy_here() -> dict:
-    """Inside a rank: the copy bandwidth of this rank's device, and which device that is."""
+def _copy_here() -> dict | None:
+    """Inside a rank: rank 0 times one large copy along the path a collective's bytes take, while
+    the other ranks wait at a barrier, so that it has the machine to itself: on the CPU a copy in
+    memory (loopback TCP copies every byte); under NCCL a copy from its GPU to the next rank's,
+    over the link between them. The other ranks return None."""
     import torch
+    import torch.distributed as dist
 
     from ..backend import device
 
-    dev = device()
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU, {torch.get_num_threads()} thread(s)"
-    return {"Bps": memcpy_bandwidth(device=dev), "device": str(dev), "name": name}
+    result = None
+    if dist.get_rank() == 0:
+        dev = device()
+        if dev.type == "cuda" and dist.get_world_size() > 1:
+            peer = torch.device("cuda", (dev.index + 1) % torch.cuda.device_count())
+            result = {"Bps": memcpy_bandwidth(256 << 20, device=dev, to=peer), "device": f"{dev} to {peer}",
+                      "name": f"{torch.cuda.get_device_name(dev)}, GPU to GPU"}
+        else:
+            name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU, {torch.get_num_threads()} thread(s)"
+            result = {"Bps": memcpy_bandwidth(device=dev), "device": str(dev), "name": name}
+    dist.barrier()
+    return result
 
 
 def fit_alpha_beta(sizes, seconds) -> tuple[float, float]:
-    """Least-squares fit of t = alpha + beta * S: alpha the latency (s), beta seconds per byte."""
+    """Fit t = alpha + beta * S, alpha the latency (s) and beta seconds per byte, by least squares
+    on relative errors: each point's residual is divided by its measured time (weights 1/t), so
+    that every size counts alike. (In plain seconds the largest sizes would decide everything and
+    alpha would be their noise.) `fit_residuals` says how far the line misses each point."""
     import numpy as np
 
     t = np.asarray(seconds, float)
-    # weights 1/t: fit relative errors, or the largest sizes decide everything and alpha is noise
     beta, alpha = np.polyfit(np.asarray(sizes, float), t, 1, w=1 / t)
     return float(alpha), float(beta)
 
 
+def fit_residuals(sizes, seconds, alpha: float, beta: float) -> list[float]:
+    """(measured - fitted) / fitted at each size: positive where a call was slower than the line."""
+    return [t / (alpha + beta * s) - 1 for s, t in zip(sizes, seconds)]
+
+
 def copy_ceiling(world_size: int, cores: int | None = None, device="cpu") -> float:
-    """A rough ceiling for busbw on one machine, as a fraction of the copy bandwidth measured on
-    `device`. On the CPU: over loopback every byte is copied twice (into the kernel, out of it),
-    every rank sends and receives busbw bytes/s, and N ranks share C cores: busbw <~ min(C, N) /
-    (2N) * memcpy. On a GPU each rank's device does its own copies: the GPU's copy bandwidth."""
+    """A rough ceiling for busbw on one machine, as a fraction of the copy bandwidth `_copy_here`
+    measured for `device`. On the CPU: over loopback every byte is copied twice (into the kernel,
+    out of it), every rank sends and receives busbw bytes/s, and N ranks share C cores: busbw <~
+    min(C, N) / (2N) * memcpy. Under NCCL each GPU sends to its neighbour over its own link: the
+    GPU-to-GPU copy bandwidth itself."""
     import os
 
     import torch
@@ -126,8 +149,9 @@ def collectives(world_sizes=(2, 4), sizes=SIZES, ops=OPS, impls=IMPLS, reps=5,
     """The sweep: for each world size, size, op and impl, the median time, algbw and busbw.
 
     Returns {"copy": {N: {"Bps", "device", "name"}}, "rows": [{world_size, op, impl, bytes, seconds,
-    algbw, busbw}]}: "copy" is the copy bandwidth of one large tensor on the device the N-rank
-    pool's ranks use (the CPU under gloo, the GPU under NCCL), measured on rank 0.
+    algbw, busbw}]}: "copy" is the bandwidth of one large copy along the path the N-rank pool's
+    bytes take (in the CPU's memory under gloo, GPU to GPU under NCCL), measured on rank 0 while
+    the other ranks wait.
     algbw = S / t; busbw = algbw * bus_factor(op, N), the nccl-tests definitions, with S the full
     tensor (the all-reduce's input, the reduce-scatter's input, the all-gather's output).
     """
@@ -143,7 +167,7 @@ def collectives(world_sizes=(2, 4), sizes=SIZES, ops=OPS, impls=IMPLS, reps=5,
     for n in world_sizes:
         with Cluster(n, verbose=False) as c:
             backend = c.backend
-            copy[n] = c.run(_copy_here, echo=False)[0]
+            copy[n] = c.run(_copy_here, echo=False)[0]  # (rank 0's, measured alone)
             for nbytes in sizes:
                 r = max(3, min(reps * 4, int(reps * (4 << 20) / nbytes) or reps)) if nbytes < (4 << 20) else reps
                 res = c.run(_time_collectives, nbytes, ops, impls, r, segment_bytes or SEGMENT_BYTES,
@@ -182,7 +206,7 @@ def print_collectives(result) -> None:
     for n in sorted({r["world_size"] for r in rows}):
         copy = result["copy"][n]
         memcpy = copy["Bps"]
-        print(f"\n{n} ranks: copy bandwidth of one 64 MiB tensor on {copy['device']} ({copy['name']}): "
+        print(f"\n{n} ranks: bandwidth of one large copy, {copy['device']} ({copy['name']}), on rank 0 alone: "
               f"{memcpy / 1e9:.2f} GB/s")
         for op in OPS:
             print(f"\n{op}, {n} ranks      time (ms)                 busbw (GB/s)            busbw / memcpy")
