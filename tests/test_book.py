@@ -37,6 +37,28 @@ def test_a_chapter_opened_alone_installs_zeronb_from_the_configured_place_and_ne
         assert not any("myst_nb" in "".join(c["source"]) for c in cells), f"{nb_path.name} imports myst_nb"
 
 
+def test_every_table_a_chapter_builds_is_displayed():
+    """zeronb.display.table returns an HTML object: Jupyter shows it only as a cell's last expression,
+    so one built anywhere else must go through display() or it vanishes from the page."""
+    import ast
+    import json
+
+    hidden = []
+    for nb_path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for i, cell in enumerate(json.loads(nb_path.read_text())["cells"]):
+            if cell["cell_type"] != "code":
+                continue
+            source = "\n".join("pass" if line.lstrip().startswith("%") else line
+                               for line in "".join(cell["source"]).split("\n"))
+            tree = ast.parse(source)
+            last = tree.body[-1] if tree.body else None
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and node is not last \
+                        and getattr(node.value.func, "id", None) == "table":
+                    hidden.append(f"{nb_path.name} cell {i}, line {node.lineno}")
+    assert not hidden, "tables built but never shown (wrap them in display()): " + "; ".join(hidden)
+
+
 def test_glue_without_myst_nb_shows_the_value_or_nothing(monkeypatch, capsys):
     from zeronb import glue as glue_module
 

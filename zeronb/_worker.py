@@ -148,6 +148,10 @@ def main(authkey: bytes) -> None:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=False, timeout=timedelta(seconds=60))
     _init_group(backend, store, rank, world_size)
+    links_at = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    from zeronb.nodes import start_links
+
+    start_links(links_at, rank)  # on several nodes: which link leads where, and its pacing
     _flush_all(0)
     conn.send(Reply("ready", 0, {"pid": os.getpid(), "host": socket.gethostname(), "backend": backend,
                                  "torch": torch.__version__}))
@@ -167,6 +171,7 @@ def main(authkey: bytes) -> None:
             if dist.is_initialized():
                 dist.destroy_process_group()
             _init_group(backend, dist.PrefixStore(f"regroup{payload}/", store), rank, world_size)
+            start_links(links_at, rank)
             _flush_all(call_id)
             conn.send(Reply("ready", call_id))
             continue

@@ -42,6 +42,7 @@ class Evidence:
     seed_ring: dict          # steps -> per rank: the shards complete after each step of note 000's ring
     seed_code: dict          # note 001's pseudo-code, run on rank 0
     no_master: dict          # note 004: one Adam step added in bf16 against an fp32 master copy
+    step_ms: dict = field(default_factory=dict)  # stage name -> median step time of the slowest rank
 
     @property
     def on_wire(self) -> bool:
@@ -308,9 +309,11 @@ def _fsdp_groups(e: Evidence) -> Finding:
     layer, block, fsdp2 = e.runs["ZeRO-3, per layer"], e.runs["ZeRO-3"], e.runs["FSDP2"]
     calls = {name: sum(r.calls_per_step.values()) for name, r in (("layer", layer), ("block", block), ("FSDP2", fsdp2))}
     sent = {name: sum(r.sent_bytes_per_step.values()) for name, r in (("layer", layer), ("block", block), ("FSDP2", fsdp2))}
-    text = (f"ZeRO-3 gathering layer by layer: {calls['layer']} collectives a step, {layer.step_ms:.0f} ms; "
-            f"by block (the model's units): {calls['block']}, {block.step_ms:.0f} ms; FSDP2 by block: "
-            f"{calls['FSDP2']}, {fsdp2.step_ms:.0f} ms; bytes by the ledger, per layer ÷ per block "
+    ms = {name: e.step_ms.get(name, r.step_ms) for name, r in
+          (("ZeRO-3, per layer", layer), ("ZeRO-3", block), ("FSDP2", fsdp2))}  # the slowest rank's
+    text = (f"ZeRO-3 gathering layer by layer: {calls['layer']} collectives a step, {ms['ZeRO-3, per layer']:.0f} ms; "
+            f"by block (the model's units): {calls['block']}, {ms['ZeRO-3']:.0f} ms; FSDP2 by block: "
+            f"{calls['FSDP2']}, {ms['FSDP2']:.0f} ms; bytes by the ledger, per layer ÷ per block "
             f"{sent['layer'] / sent['block']:.3f}")
     values = {"calls": calls, "sent": sent}
     if e.on_wire:

@@ -44,6 +44,7 @@ from . import backend as _backend
 from . import calls, forkserver, launch
 from .errors import call_failure, format_stack_dump, join_ranks, shorten
 from .messages import Call
+from .nodes import check_links
 from .rank_output import print_grouped
 
 DEFAULT_TIMEOUT = 120.0  # seconds; generous for teaching. ZERONB_TIMEOUT overrides it (CI sets it lower)
@@ -73,14 +74,13 @@ def _validate_world_size(world_size) -> int:
     return world_size
 
 
-def _check_settings(world_size, backend, nodes, threads) -> tuple[str, str]:
-    """Every check on a pool's settings, before anything starts (or stops): (backend, why)."""
+def _check_settings(world_size, backend, nodes, threads, inter=None, intra=None) -> tuple[str, str, dict]:
+    """Every check on a pool's settings, before anything starts (or stops): (backend, why, link rates)."""
     _validate_world_size(world_size)
-    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or world_size % nodes:
-        raise ValueError(f"nodes must be a positive int that divides world_size={world_size}, not {nodes!r}")
+    links = check_links(world_size, nodes, inter, intra)
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be a positive int (torch threads per rank), not {threads!r}")
-    return _backend.choose_backend(world_size, backend)
+    return (*_backend.choose_backend(world_size, backend), links)
 
 
 def _default_timeout() -> float:
@@ -96,17 +96,19 @@ class Cluster:
             c.run(fn)
 
     `nodes` simulates several machines on this one: ranks get LOCAL_RANK / GROUP_RANK (the node) as
-    torchrun would set them on `nodes` machines of `world_size // nodes` processes each.
+    torchrun would set them on `nodes` machines of `world_size // nodes` processes each, and the kernel
+    paces the links between nodes at `inter_node_bandwidth` ("50MB/s"; zeronb.nodes).
     """
 
     def __init__(self, world_size: int = 2, backend: str = "auto", *, nodes: int = 1,
-                 threads: int | None = None, verbose: bool = True):
-        self.backend, self.why = _check_settings(world_size, backend, nodes, threads)
+                 inter_node_bandwidth=None, intra_node_bandwidth=None, threads: int | None = None,
+                 verbose: bool = True):
+        self.backend, self.why, self.links = _check_settings(world_size, backend, nodes, threads,
+                                                             inter_node_bandwidth, intra_node_bandwidth)
         self.world_size, self.nodes, self.requested_backend = world_size, nodes, backend
-        # CPU ranks share the cores: one rank's matmul must not use every core (oversubscription
-        # makes everything slower), so each gets an equal share unless told otherwise.
-        self.threads = threads or max(1, (os.cpu_count() or 1) // world_size)
-        self.verbose = verbose
+        self.inter_node_bandwidth, self.intra_node_bandwidth = inter_node_bandwidth, intra_node_bandwidth
+        # CPU ranks share the cores: an equal share each (oversubscribed cores make everything slower)
+        self.threads, self.verbose = threads or max(1, (os.cpu_count() or 1) // world_size), verbose
         self._ranks: list[launch.Rank] = []
         self._closed = False
         self._dead_reason = None  # why the ranks were stopped; they restart on the next call
@@ -136,7 +138,7 @@ class Cluster:
         self.control_address = listener.address
         envs = launch.rank_environment(os.environ, world_size=self.world_size, nodes=self.nodes,
                                        store_port=self._store.port, control=listener.address,
-                                       backend=self.backend, threads=self.threads, path=path)
+                                       backend=self.backend, threads=self.threads, path=path, links=self.links)
         try:
             self._ranks = launch.fork_ranks(server, envs, path, key, self._tmp)
             launch.accept(listener, self._ranks, START_TIMEOUT)
@@ -348,12 +350,13 @@ def start(world_size: int = 2, backend: str = "auto", **kw) -> Cluster:
     """Start the notebook's pool of `world_size` ranks, or return it if it is already running with
     the same settings (a different size or backend replaces it)."""
     global _default
-    unknown = set(kw) - {"nodes", "threads", "verbose"}
+    unknown = set(kw) - {"nodes", "inter_node_bandwidth", "intra_node_bandwidth", "threads", "verbose"}
     if unknown:
-        raise TypeError(f"zeronb.start() got unknown argument(s) {', '.join(sorted(unknown))}; "
-                        "it takes world_size, backend, nodes, threads and verbose")
+        raise TypeError(f"zeronb.start() got unknown argument(s) {', '.join(sorted(unknown))}; it takes world_size, "
+                        "backend, nodes, inter_node_bandwidth, intra_node_bandwidth, threads and verbose")
     # a bad setting must not stop the pool that is running
-    _check_settings(world_size, backend, kw.get("nodes", 1), kw.get("threads"))
+    _check_settings(world_size, backend, kw.get("nodes", 1), kw.get("threads"), kw.get("inter_node_bandwidth"),
+                    kw.get("intra_node_bandwidth"))
     if _default is not None and not _default.closed:
         same = (_default.world_size == world_size and _default.requested_backend == backend
                 and all(getattr(_default, k) == v for k, v in kw.items() if k != "verbose"))

@@ -12,8 +12,12 @@ all-gather, N-1 steps: at step s rank r sends chunk (r-s) mod N - its own at ste
 all-reduce = reduce-scatter + all-gather.
 
 Each rank sends N-1 chunks per pass, (N-1)/N of the tensor, whatever N is: 2(N-1)/N*S for an
-all-reduce. That is the least any algorithm can send (the bandwidth-optimal bound), and it is why
-rings scale: the bytes per rank do not grow with N (the number of steps, and so the latency, does).
+all-reduce. The ranks together must send at least 2(N-1)*S, so that is the least the busiest rank
+of any algorithm sends (the bandwidth-optimal bound), and it is why rings scale: the bytes per rank
+do not grow with N (the number of steps, and so the latency, does).
+
+Across nodes, `hierarchical_all_reduce` runs three rings: within each node, across the nodes on a
+shard, within each node again; most bytes stay on the fast links inside the nodes.
 
 Three details that matter in practice:
 - A step's send and receive are issued together (`batch_isend_irecv`). A rank that first
@@ -311,6 +315,31 @@ def ring_all_reduce(tensor: torch.Tensor, *, average: bool = False, group=None,
         _run_ring(steps, "ring_all_reduce", segment_bytes, group)
     if chunks.data_ptr() != tensor.data_ptr():  # worked on a padded copy
         tensor.copy_(chunks.view(-1)[:tensor.numel()].view_as(tensor))
+    return tensor
+
+
+def hierarchical_all_reduce(tensor: torch.Tensor, *, average: bool = False) -> torch.Tensor:
+    """In place: `tensor` becomes the element-wise sum (or average) over all ranks, in three hops
+    that keep most of the bytes inside the nodes (zeronb.nodes; Horovod's hierarchical all-reduce,
+    after Thakur et al.): a ring reduce-scatter within this rank's node leaves it 1/g of the node's
+    sum (g ranks per node); a ring all-reduce of that shard across the k nodes, among the ranks with
+    the same local rank, makes it the shard of the total; a ring all-gather within the node hands
+    every rank all of it. Each rank sends 2(g-1)/g * S within its node and 2(k-1)/k * S/g across,
+    where a flat ring sends 2(N-1)/N * S, and on some links all of it, across. Returns `tensor`."""
+    from .nodes import Topology, node_groups
+
+    _check_float(tensor, "hierarchical_all_reduce", average)
+    topology = Topology.from_env()
+    if topology.nodes == 1 or topology.per_node == 1:  # one level only: a ring over everyone
+        return ring_all_reduce(tensor, average=average)
+    within, across = node_groups()
+    flat = tensor.detach().reshape(-1)
+    shard = ring_reduce_scatter(flat, group=within)   # 1. this rank's shard of its node's sum
+    ring_all_reduce(shard, group=across)              # 2. + the same shard of every other node's
+    full = ring_all_gather(shard, flat.numel(), group=within)  # 3. every shard, within the node
+    if average:
+        full.div_(topology.world_size)
+    tensor.copy_(full.view_as(tensor))
     return tensor
 
 

@@ -68,3 +68,24 @@ def dtensor():
     except ImportError:
         from torch.distributed._tensor import DTensor, Replicate, Shard
     return DTensor, Shard, Replicate
+
+
+def fsdp2_unsharded_grads(model) -> list:
+    """The full gradients FSDP2 holds outside the parameters' own (sharded) `.grad`: while gradient
+    sync is off (accumulating without reduce-scattering), each unit keeps its unsharded gradients
+    on its FSDPParams (`_unsharded_param.grad`, or `unsharded_accumulated_grad` in reduce_dtype).
+    Private attributes of torch.distributed.fsdp's implementation, the same from torch 2.4 to 2.13;
+    an empty list where they are not found."""
+    out = []
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        state = get_state()
+        groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
+        for group in groups:
+            for fsdp_param in getattr(group, "fsdp_params", []) if group is not None else []:
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                out += [t for t in (getattr(unsharded, "grad", None), getattr(fsdp_param, "unsharded_accumulated_grad", None))
+                        if t is not None]
+    return out

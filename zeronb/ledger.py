@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .compat import group_size_of
+from .nodes import connections, split_by_node
 from .shards import chunk_size
 
 _scope = contextvars.ContextVar("zeronb_ledger_scope", default=None)   # name of the op being built
@@ -111,31 +112,6 @@ _COLLECTIVES = {
 _TCPI_NOTSENT_BYTES, _TCPI_BYTES_SENT, _TCPI_BYTES_RETRANS, _TCP_INFO_LEN = 144, 200, 208, 232
 
 
-def _peer_connections() -> dict:
-    """{(local port, peer address, peer port): socket fd} for this process's TCP connections to
-    other ranks: gloo's pairs. The connections to the notebook (control channel, rendezvous store)
-    are left out: their peer port is ZERONB_PORT or MASTER_PORT."""
-    skip = {int(os.environ[k]) for k in ("ZERONB_PORT", "MASTER_PORT") if os.environ.get(k)}
-    out = {}
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                continue
-            s = socket.socket(fileno=os.dup(int(name)))  # a copy: family and type read from the fd
-        except OSError:
-            continue
-        with s:
-            if s.type != socket.SOCK_STREAM or s.family not in (socket.AF_INET, socket.AF_INET6):
-                continue
-            try:
-                peer = s.getpeername()
-            except OSError:  # listening, or not connected
-                continue
-            if peer[1] not in skip:
-                out[(s.getsockname()[1], peer[0], peer[1])] = int(name)
-    return out
-
-
 def _tcp_info(fd: int) -> bytes:
     with socket.socket(fileno=os.dup(fd)) as s:
         return s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
@@ -149,7 +125,7 @@ def wire_counters(drain_s: float = 1.0) -> dict:
     everything the call handed to the kernel."""
     if not hasattr(socket, "TCP_INFO"):
         raise RuntimeError("counting bytes on the wire needs Linux's TCP_INFO; this system has none")
-    conns = _peer_connections()
+    conns = connections()
     deadline = time.monotonic() + drain_s
     while True:
         infos = {}
@@ -171,18 +147,22 @@ class WireMeter:
 
         with WireMeter() as wire:
             dist.all_reduce(t)
-        wire.bytes, wire.by_connection
+        wire.bytes, wire.by_connection, wire.by_node
+
+    `by_node`, in a pool on several nodes (zeronb.nodes): {"within": bytes to ranks on this rank's node,
+    "across": bytes to ranks on other nodes}; None otherwise.
     """
 
     def __enter__(self):
         self._before = wire_counters()
-        self.bytes, self.by_connection = None, {}
+        self.bytes, self.by_connection, self.by_node = None, {}, None
         return self
 
     def __exit__(self, *exc):
         after = wire_counters()
         self.by_connection = {k: v - self._before.get(k, 0) for k, v in after.items()}
         self.bytes = sum(self.by_connection.values())
+        self.by_node = split_by_node(self.by_connection)
 
 
 class CommLedger(TorchDispatchMode):
@@ -205,6 +185,11 @@ class CommLedger(TorchDispatchMode):
     def wire_bytes(self) -> int | None:
         """Bytes the OS counted on this rank's connections to other ranks (None without wire=True)."""
         return self._wire.bytes if self._wire is not None else None
+
+    @property
+    def wire_by_node(self) -> dict | None:
+        """On several nodes: {"within", "across"} bytes of `wire_bytes` (None otherwise)."""
+        return self._wire.by_node if self._wire is not None else None
 
     def __enter__(self):
         _active.append(self)
@@ -246,7 +231,7 @@ class CommLedger(TorchDispatchMode):
     def summary(self) -> dict:
         """Plain data to send back to the notebook."""
         return {"bytes_sent": self.bytes_sent, "by_op": dict(self.by_op), "calls": dict(self.calls),
-                "wire_bytes": self.wire_bytes, "events": list(self.events)}
+                "wire_bytes": self.wire_bytes, "wire_by_node": self.wire_by_node, "events": list(self.events)}
 
 
 class scope:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from . import memory
 from .backend import device, device_mesh
-from .compat import dtensor, fully_shard, mixed_precision_policy
+from .compat import dtensor, fsdp2_unsharded_grads, fully_shard, mixed_precision_policy
 from .zero.stage import Stage
 
 
@@ -114,7 +114,9 @@ class TorchStage(Stage):
 
     def state_tensors(self):
         local = self.optimizer.optim if self.stage == 1 else self.optimizer  # ZeroRedundancyOptimizer: its shard's
-        return {"params": list(self.model.parameters()), "grads": [p.grad for p in self.model.parameters()],
+        # FSDP2 accumulating without sync keeps the full gradients apart from the sharded .grad
+        accumulated = fsdp2_unsharded_grads(self.model) if self.stage in (2, 3) else []
+        return {"params": list(self.model.parameters()), "grads": [p.grad for p in self.model.parameters()] + accumulated,
                 "optimizer": memory.optimizer_tensors(local)}
 
     def full_parameters(self):
