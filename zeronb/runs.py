@@ -42,6 +42,12 @@ class RunConfig:
     reduce_scatter: str = "torch"   # "torch" (the backend's) or "ring" (zeronb's)
     activation_checkpointing: bool = False
     shard_size: Optional[int] = None     # shard over groups of this many ranks, replicate across them (HSDP)
+    shard_group: str = "world"      # "node": shard within each node, replicate across the nodes (HSDP, MiCS)
+    nodes: Optional[int] = None     # a new pool's simulated nodes (1); on a pool given to run: the pool's
+    inter_node_bandwidth: Optional[str] = None  # a new pool's link between nodes, paced ("50MB/s": zeronb.nodes)
+    intra_node_bandwidth: Optional[str] = None  # and within a node (default: unpaced)
+    hpz: bool = False               # stage 3: ZeRO++'s hpZ (zeronb), or FSDP2 resharding to a node after forward
+    quantize_weights: Optional[str] = None      # stage 3, zeronb: "int8" forward all-gathers (ZeRO++'s qwZ)
     checkpoint: Optional[str] = None     # save a sharded checkpoint here at the end
     resume: Optional[str] = None         # load one saved there and train on to `steps` in all
     trace: bool = False             # the last step's timeline and memory trace, in the report
@@ -69,6 +75,9 @@ class RunConfig:
         choice("accum_sync", self.accum_sync, ("every", "last"))
         choice("reduce_dtype", self.reduce_dtype, tuple(REDUCE_DTYPES))
         choice("reduce_scatter", self.reduce_scatter, REDUCE_SCATTERS)
+        choice("shard_group", self.shard_group, ("world", "node"))
+        choice("quantize_weights", self.quantize_weights, (None, "int8"))
+        bad += self._node_problems()
         if self.nproc is not None and (not isinstance(self.nproc, int) or self.nproc < 1):
             bad.append(f"nproc must be a positive number of ranks, not {self.nproc!r}")
         if self.steps < 1:
@@ -87,11 +96,31 @@ class RunConfig:
             bad.append("prefetch, reshard_after_forward and wrap are stage 3's settings")
         if self.shard_size is not None and (self.shard_size < 1 or (self.nproc and self.nproc % self.shard_size)):
             bad.append(f"shard_size must divide the number of ranks ({self.nproc}), not {self.shard_size}")
-        if self.shard_size is not None and (self.checkpoint or self.resume):
-            bad.append("checkpoints of runs with replicas (shard_size) are not supported; save from a run sharded "
-                       "over all of its ranks")
+        if (self.shard_size is not None or self.shard_group == "node") and (self.checkpoint or self.resume):
+            bad.append("checkpoints of runs with replicas (shard_size, shard_group) are not supported; save from a "
+                       "run sharded over all of its ranks")
         if self.resume is not None and not bad:
             bad += self._resume_problems()
+        return bad
+
+    def _node_problems(self) -> list[str]:
+        from .nodes import parse_rate
+
+        bad = []
+        if self.nodes is not None and (isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1
+                                       or (self.nproc and self.nproc % self.nodes)):
+            bad.append(f"nodes must be a positive number that divides the ranks ({self.nproc}), not {self.nodes!r}")
+        for name in ("inter_node_bandwidth", "intra_node_bandwidth"):
+            try:
+                parse_rate(getattr(self, name))
+            except ValueError as e:
+                bad.append(f"{name}: {e}")
+        if self.shard_group == "node" and self.shard_size is not None:
+            bad.append("shard_group 'node' and shard_size both choose the shard groups: give one")
+        if (self.hpz or self.quantize_weights) and self.stage != 3:
+            bad.append("hpz and quantize_weights are stage 3's (ZeRO++ changes ZeRO-3's all-gathers)")
+        if self.quantize_weights and self.impl == "torch":
+            bad.append("quantize_weights is zeronb's (FSDP2 has no quantized all-gather); use impl 'zeronb'")
         return bad
 
     def _resume_problems(self) -> list[str]:
@@ -143,6 +172,8 @@ class RankReport:
     sent_bytes_per_step: dict        # logical bytes per collective (zeronb.ledger)
     calls_per_step: dict
     wire_bytes_per_step: Optional[int] = None   # what the OS counted on gloo's connections (None: NCCL, not Linux)
+    wire_within_node: Optional[int] = None      # on several nodes: those bytes, to ranks on this rank's node
+    wire_across_nodes: Optional[int] = None     # and to ranks on other nodes
     grad_norm: Optional[float] = None           # the gradient norm before clipping (with clip)
     activation_bytes: Optional[int] = None      # saved by autograd in the last micro-batch's forward
     grad_bytes_after_micro_batch: Optional[list] = None  # gradients held after each micro-batch's backward

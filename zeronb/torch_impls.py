@@ -41,9 +41,12 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 class TorchStage(Stage):
-    def __init__(self, model, stage: int, config=None, observers=(), reshard_last_unit: bool = True):
+    def __init__(self, model, stage: int, config=None, observers=(), reshard_last_unit: bool = True,
+                 hpz: bool = False):
         """`reshard_last_unit` (FSDP2, stage 3): False keeps the last unit's parameters gathered from
-        its forward to its backward, as zeronb's ZeRO-3 does (FSDP2 itself keeps only the root's)."""
+        its forward to its backward, as zeronb's ZeRO-3 does. `hpz` (stage 3): after forward, reshard
+        each unit to the ranks of one node (reshard_after_forward=g), so that backward gathers within
+        the node: FSDP2's counterpart of ZeRO++'s hpZ."""
         super().__init__(model, config, observers)
         self.stage, cfg, dev = stage, self.config, device()
         optimizer_class = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.SGD
@@ -67,11 +70,18 @@ class TorchStage(Stage):
                 raise ValueError("FSDP2 here shards over all ranks, or over groups of consecutive ranks with "
                                  "replicas (zeronb.zero.sharding_groups)")
             mesh = device_mesh(self.shards, self.data_parallel // self.shards)
-            self.wrapped = self.fully_shard(model, mesh, stage == 3, reshard_last_unit)
+            reshard = stage == 3
+            if hpz:
+                from .nodes import Topology
+
+                if stage != 3 or Topology.from_env().nodes == 1:
+                    raise ValueError("hpz is stage 3's, and needs a pool on several nodes")
+                reshard = Topology.from_env().per_node  # the node's ranks: backward gathers within it
+            self.wrapped = self.fully_shard(model, mesh, reshard, reshard_last_unit)
             self.optimizer = optimizer_class(model.parameters(), lr=cfg.lr, foreach=False)
         self.claim_model()
 
-    def fully_shard(self, model, mesh, reshard_after_forward: bool, reshard_last_unit: bool = True):
+    def fully_shard(self, model, mesh, reshard_after_forward: bool | int, reshard_last_unit: bool = True):
         """FSDP2's wrapping: `fully_shard` on each unit, bottom-up, then on the whole model. Each
         call makes its module one group whose parameters are gathered and reduce-scattered together."""
         shard = fully_shard()  # torch.distributed.fsdp.fully_shard (elsewhere before torch 2.6)
@@ -79,8 +89,8 @@ class TorchStage(Stage):
         units = model.units()
         for unit in units:
             keep = unit is units[-1] and not reshard_last_unit
-            shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward and not keep, **kw)
-        shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, **kw)
+            shard(unit, mesh=mesh, reshard_after_forward=False if keep else reshard_after_forward, **kw)
+        shard(model, mesh=mesh, reshard_after_forward=bool(reshard_after_forward), **kw)
         return model
 
     def detach(self):
@@ -98,6 +108,8 @@ class TorchStage(Stage):
         if self.stage in (0, 1):
             return contextlib.nullcontext() if sync else self.wrapped.no_sync()
         self.model.set_requires_gradient_sync(sync)
+        if self.replica_group is not None:  # HSDP: the replicas' all-reduce once per step (MiCS's two hops)
+            self.model.set_requires_all_reduce(self.last_micro_batch)
         return contextlib.nullcontext()
 
     def step(self):

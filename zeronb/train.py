@@ -58,18 +58,24 @@ def build_stage(config: RunConfig, model, build=None):
     """The stage to train with, zeronb's own or PyTorch's counterpart, built from the run's settings
     (its process groups too: with shard_size, HSDP's). `build(model, stage_config)`: another
     stage class (a chapter's own, say) to train with instead of the one `config.stage` names."""
-    from .zero import STAGES, sharding_groups
+    from .nodes import node_groups
     from .torch_impls import TorchStage
+    from .zero import STAGES, ZeROPlusPlus, sharding_groups
 
-    groups = sharding_groups(config.shard_size) if config.shard_size else (None, None)
+    groups = (node_groups() if config.shard_group == "node" else
+              sharding_groups(config.shard_size) if config.shard_size else (None, None))
     stage_config = config.stage_config(*groups)
     if build is not None:
         return build(model, stage_config)
     if config.impl == "torch":
-        return TorchStage(model, config.stage, stage_config)
-    own = {3: dict(prefetch=config.prefetch, reshard_after_forward=config.reshard_after_forward,
-                   units=choose_units(model, config.wrap))}.get(config.stage, {})  # ZeRO-3's own settings
-    return STAGES[config.stage](model, stage_config, **own)
+        return TorchStage(model, config.stage, stage_config, hpz=config.hpz)
+    if config.stage != 3:
+        return STAGES[config.stage](model, stage_config)
+    zero3 = dict(prefetch=config.prefetch, reshard_after_forward=config.reshard_after_forward,
+                 units=choose_units(model, config.wrap))  # ZeRO-3's own settings
+    if config.hpz or config.quantize_weights:
+        return ZeROPlusPlus(model, stage_config, hpz=config.hpz, quantize_weights=config.quantize_weights, **zero3)
+    return STAGES[3](model, stage_config, **zero3)
 
 
 def train_rank(config: RunConfig, build=None) -> RankReport:
@@ -128,6 +134,7 @@ def train_rank(config: RunConfig, build=None) -> RankReport:
         step_ms=step_ms, bytes=memory.measure(**stage.state_tensors()),
         expected_bytes=memory.model_state_breakdown(psi, stage.shards, config.stage, *per_parameter),
         sent_bytes_per_step=dict(ledger.by_op), calls_per_step=dict(ledger.calls), wire_bytes_per_step=ledger.wire_bytes,
+        wire_within_node=(ledger.wire_by_node or {}).get("within"), wire_across_nodes=(ledger.wire_by_node or {}).get("across"),
         grad_norm=stage.last_grad_norm if config.clip is not None else None,
         activation_bytes=step_memory.activation_bytes,
         grad_bytes_after_micro_batch=step_memory.grad_bytes_after_micro_batch, grads=gradients.pieces,
@@ -172,18 +179,39 @@ def run_many(configs, pool=None, build=None):
         return dict(zip(configs, run_many(list(configs.values()), pool, build)))
 
     if pool is None:
-        sizes = {c.nproc or 2 for c in configs}
-        if len(sizes) > 1:
-            raise ValueError(f"run_many runs every config on one pool; they ask for {sorted(sizes)} ranks")
-        with Cluster(sizes.pop(), verbose=False) as new:
+        pools = {(c.nproc or 2, c.nodes or 1, c.inter_node_bandwidth, c.intra_node_bandwidth) for c in configs}
+        if len(pools) > 1:
+            raise ValueError(f"run_many runs every config on one pool; they ask for different ones (ranks, nodes, "
+                             f"links): {sorted(pools, key=str)}")
+        size, nodes, inter, intra = pools.pop()
+        _check_nodes(configs, nodes)
+        with Cluster(size, verbose=False, nodes=nodes, inter_node_bandwidth=inter, intra_node_bandwidth=intra) as new:
             return run_many(configs, new, build)
-    wrong = [c.nproc for c in configs if c.nproc not in (None, pool.world_size)]
-    if wrong:
-        raise ValueError(f"the pool has {pool.world_size} ranks, the config asks for {wrong[0]}: leave nproc "
-                         "unset to run on the pool as it is, or start a pool of that size")
+    for c in configs:
+        _check_fits(c, pool)
+    _check_nodes(configs, pool.nodes)
     per_rank = pool.run(_train_ranks, configs, build, timeout=sum(c.timeout for c in configs), echo=False)
     return [RunReport(config, pool.world_size, [r[i] for r in per_rank], per_rank[0][i].params)
             for i, config in enumerate(configs)]
+
+
+def _check_nodes(configs: list, nodes: int) -> None:
+    if nodes == 1 and any(c.hpz or c.shard_group == "node" for c in configs):
+        raise ValueError("hpz and shard_group 'node' need a pool on several nodes: give nodes=2 (--nodes 2), or run "
+                         "on a pool started with zeronb.start(world_size=4, nodes=2)")
+
+
+def _check_fits(config: RunConfig, pool) -> None:
+    """A config run on a given pool takes the pool as it is: what it asks of the pool must match."""
+    from .nodes import parse_rate
+
+    asked = {"ranks": (config.nproc, pool.world_size), "nodes": (config.nodes, pool.nodes),
+             "inter_node_bandwidth": (parse_rate(config.inter_node_bandwidth), pool.links["inter"]),
+             "intra_node_bandwidth": (parse_rate(config.intra_node_bandwidth), pool.links["intra"])}
+    for what, (want, have) in asked.items():
+        if want is not None and want != have:
+            raise ValueError(f"the pool has {what} {have}, the config asks for {want}: leave it unset to run on the "
+                             "pool as it is, or start a pool with those settings")
 
 
 def _join_torchrun_group() -> None:
@@ -240,6 +268,19 @@ def _parse(argv):
                    help="recompute each unit's activations in backward instead of keeping them")
     p.add_argument("--shard-size", type=int, default=None, metavar="G",
                    help="shard over groups of G consecutive ranks and replicate across the groups (HSDP)")
+    p.add_argument("--shard-group", choices=["world", "node"], default=d.shard_group,
+                   help="node: shard within each node and replicate across the nodes (HSDP; with --grad-accum, "
+                        "MiCS's two hops: the replicas' all-reduce once per step)")
+    p.add_argument("--nodes", type=int, default=None, metavar="K",
+                   help="simulate K nodes of nproc/K ranks each (ignored under torchrun: its nodes are real)")
+    p.add_argument("--inter-node-bandwidth", default=None, metavar="RATE",
+                   help="pace every link between nodes at RATE, e.g. 50MB/s (zeronb.nodes; Linux)")
+    p.add_argument("--intra-node-bandwidth", default=None, metavar="RATE", help="pace the links within a node too")
+    p.add_argument("--hpz", action="store_true",
+                   help="stage 3: ZeRO++'s hpZ, a copy of the parameters sharded within the node for the backward "
+                        "all-gathers (--impl torch: FSDP2 resharding to the node after forward)")
+    p.add_argument("--quantize-weights", choices=["int8"], default=None,
+                   help="stage 3 (zeronb): the forward all-gathers in int8, a scale per block (ZeRO++'s qwZ; lossy)")
     p.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="save a sharded checkpoint (torch.distributed.checkpoint) here at the end")
     p.add_argument("--resume", default=None, metavar="DIR",

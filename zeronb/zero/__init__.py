@@ -1,5 +1,5 @@
 """The ZeRO stages, one short module each: ddp (stage 0), zero1, zero2, zero3 (and FSDP's options),
-behind one interface (stage.Stage) and one config (config.StageConfig):
+zeropp (ZeRO-3 with ZeRO++'s hpZ and qwZ, for several nodes), behind one interface (stage.Stage) and one config (config.StageConfig):
 
     stage = ZeRO1(model, StageConfig(precision="float32", lr=1e-3))
     loss = stage.train_step(x, y)        # forward, backward, communication, optimizer step
@@ -15,7 +15,8 @@ from .stage import Stage
 from .zero1 import ZeRO1
 from .zero2 import ZeRO2
 from .zero3 import ZeRO3
+from .zeropp import ZeROPlusPlus
 
 STAGES = {0: DDP, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}
 
-__all__ = ["DDP", "NaiveDDP", "ZeRO1", "ZeRO2", "ZeRO3", "STAGES", "Stage", "StageConfig", "sharding_groups"]
+__all__ = ["DDP", "NaiveDDP", "ZeRO1", "ZeRO2", "ZeRO3", "ZeROPlusPlus", "STAGES", "Stage", "StageConfig", "sharding_groups"]

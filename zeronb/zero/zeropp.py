@@ -1,0 +1,121 @@
+"""ZeRO++ (Wang et al. 2023): ZeRO-3 with less traffic between nodes, two of its three ways.
+
+ZeRO-3 gathers every unit's parameters twice a step over all N ranks, forward and backward, and
+reduce-scatters the gradients over all of them: on k nodes most of those bytes cross the slow links
+between nodes (zeronb.nodes). ZeRO++ cuts them in three ways; this stage does the first two.
+
+hpZ (hierarchical partitioning): when a unit has been gathered for its forward, each rank also keeps
+a *secondary* copy of the unit's parameters sharded over its own node only (1/g of the unit, g
+ranks per node), and the backward gathers from those secondary shards, inside the node. The
+backward's all-gather leaves the slow links; the cost is the secondary shards, Ψ/g per rank from
+the forward until the optimizer step, which changes the parameters and so invalidates them (as
+DeepSpeed does: a cache of the weights, dropped after each step).
+
+qwZ (quantized weights): the forward's all-gather sends each shard as int8, with one fp32 scale per
+block of BLOCK elements (its largest magnitude / 127), and every rank dequantizes what arrives. A
+quarter of float32's bytes (an eighth of float64's), plus the scales; the forward then computes
+with weights off by at most half a quantization step per block. The backward gathers the exact
+weights (or, with hpZ, the secondary copy of what the forward used).
+
+qgZ, ZeRO++'s quantized hierarchical all-to-all for gradients, is not built: DeepSpeed's own needs a
+node size taken from the GPUs of a real node (`device_count()`) and INT4 kernels; the gradients here
+go through ZeRO-3's reduce-scatter unchanged.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..compat import all_gather_single
+from .zero3 import ZeRO3, Unit
+
+BLOCK = 256  # elements per quantization scale (ZeRO++ quantizes block by block, a scale each)
+
+
+def quantize_int8(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values, one float32 scale per block): x ≈ values * scale, blockwise, the last block
+    padded with zeros."""
+    flat = x.detach().reshape(-1).float()
+    padded = torch.zeros(-(-flat.numel() // block) * block, dtype=torch.float32, device=x.device)
+    padded[:flat.numel()] = flat
+    blocks = padded.view(-1, block)
+    scale = blocks.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    return torch.round(blocks / scale[:, None]).to(torch.int8).view(-1), scale
+
+
+def dequantize_int8(values: torch.Tensor, scale: torch.Tensor, numel: int, block: int = BLOCK) -> torch.Tensor:
+    return (values.view(-1, block).float() * scale[:, None]).view(-1)[:numel]
+
+
+class ZeROPlusPlus(ZeRO3):
+    """ZeRO-3 with hpZ (`hpz=True`: backward gathers within the node) and/or qwZ
+    (`quantize_weights="int8"`: the forward gathers int8). Other arguments: ZeRO3's."""
+
+    def __init__(self, model, config=None, observers=(), hpz: bool = False, quantize_weights: str | None = None,
+                 **zero3):
+        super().__init__(model, config, observers, **zero3)
+        if quantize_weights not in (None, "int8"):
+            raise ValueError(f"quantize_weights must be None or 'int8', not {quantize_weights!r}")
+        self.hpz, self.quantize_weights = hpz, quantize_weights
+        if hpz:
+            from ..nodes import Topology, node_groups
+
+            topology = Topology.from_env()
+            if topology.nodes == 1:
+                raise ValueError("hpz keeps a copy of the parameters sharded within a node: it needs a pool on "
+                                 "several nodes (zeronb.start(world_size=4, nodes=2), or --nodes 2)")
+            self.node_group, _ = node_groups()
+            self.local_rank, self.per_node = topology.local_rank(self.rank), topology.per_node
+        self.secondary: dict = {}  # hpZ: unit index -> this rank's secondary shard, from forward to the step
+        self._pending: dict = {}   # qwZ: unit index -> what finishes its quantized gather
+        self.in_backward = False
+
+    def begin_micro_batch(self):
+        super().begin_micro_batch()
+        self.in_backward = False
+
+    def _before_backward(self, u):
+        self.in_backward = True
+        super()._before_backward(u)
+
+    def _after_forward(self, u):
+        if self.hpz:  # this rank's 1/g of the unit, while it is here: what the node gathers in backward
+            n = u.padded // self.per_node  # (the buffer is padded to a multiple of N, so of g too)
+            self.secondary[u.index] = u.data[self.local_rank * n:(self.local_rank + 1) * n].clone()
+        super()._after_forward(u)
+
+    def _issue_gather(self, u: Unit):
+        if u.gathered or u.work is not None:
+            return
+        u.data.untyped_storage().resize_(u.nbytes)
+        if self.in_backward and self.hpz and u.index in self.secondary:
+            # within the node: from the secondary shards (write through .data, as Unit.gather does)
+            u.work = all_gather_single(u.data.data, self.secondary[u.index], group=self.node_group, async_op=True)
+        elif not self.in_backward and self.quantize_weights:
+            values, scale = quantize_int8(u.shard)
+            packed = torch.cat([values, scale.view(torch.int8)])  # one message: the values and their scales
+            full = packed.new_empty(self.shards * packed.numel())
+            u.work = all_gather_single(full, packed, group=self.shard_group, async_op=True)
+            self._pending[u.index] = (full.view(self.shards, -1), values.numel())
+        else:
+            u.gather(self.shard_group)
+            return self.tell("all-gather", u)
+        self.tell("all-gather", u)
+
+    def _gather(self, u: Unit):
+        super()._gather(u)
+        if u.index in self._pending:  # qwZ: dequantize every rank's shard into the unit's buffer
+            full, n_values = self._pending.pop(u.index)
+            chunk = u.chunk_numel
+            with torch.no_grad():
+                for r, row in enumerate(full):
+                    scale = row[n_values:].view(torch.float32)
+                    u.data.data[r * chunk:(r + 1) * chunk] = dequantize_int8(row[:n_values], scale, chunk).to(u.data.dtype)
+
+    def step(self):
+        super().step()
+        self.secondary.clear()  # the shards changed: the copies of the old weights are stale
+
+    def state_tensors(self):
+        held = super().state_tensors()
+        held["params"] = held["params"] + list(self.secondary.values())
+        return held
