@@ -83,3 +83,17 @@ def test_sgd_on_four_ranks_equals_one_process_for_every_stage_and_impl(tmp_path)
             out = tmp_path / f"{stage}{impl}.pt"
             assert train.main([*common, "--nproc", "4", "--stage", str(stage), "--impl", impl, "--save-params", str(out)]) == 0
             assert train.max_diff(torch.load(out), one) <= 1e-10, (stage, impl)
+
+
+def test_the_train_cli_runs_on_paced_nodes_and_reports_bytes_by_node(tmp_path):
+    out = tmp_path / "r.json"
+    p = _run("-m", "zeronb.train", "--nproc", "4", "--nodes", "2", "--inter-node-bandwidth", "100MB/s", "--stage", "3",
+             "--hpz", "--steps", "2", "--report", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    report = json.loads(out.read_text())
+    assert report["nodes"] == 2 and report["hpz"] and report["inter_node_bandwidth"] == "100MB/s"
+    for r in report["ranks"]:
+        assert r["wire_within_node"] > 0 and r["wire_across_nodes"] > 0
+        assert r["wire_within_node"] + r["wire_across_nodes"] == r["wire_bytes_per_step"]
+    bad = _run("-m", "zeronb.train", "--nproc", "4", "--nodes", "3")
+    assert bad.returncode != 0 and "nodes must be a positive number that divides" in bad.stderr, bad.stderr

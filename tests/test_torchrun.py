@@ -58,6 +58,21 @@ def test_two_nodes_under_torchrun_match_the_pool(stage, rdzv, tmp_path):
     assert err <= 1e-12, f"stage {stage}: torchrun and the pool differ by {err}"
 
 
+@pytest.mark.skipif(TORCHRUN is None, reason="torchrun not found")
+@pytest.mark.parametrize("extra", [["--stage", "3", "--shard-group", "node"], ["--stage", "3", "--hpz"],
+                                   ["--stage", "2", "--impl", "torch", "--shard-group", "node"]], ids=" ".join)
+def test_the_node_options_under_torchrun_take_its_nodes_and_match_the_pool(extra, tmp_path):
+    """On 2 nodes x 2 under torchrun the nodes come from LOCAL_WORLD_SIZE; on the pool from --nodes 2."""
+    pool_out, run_out = str(tmp_path / "pool.pt"), str(tmp_path / "torchrun.pt")
+    argv = ["--model", "gpt", "--dtype", "float64", "--steps", "3", *extra]
+    subprocess.run([sys.executable, "-m", "zeronb.train", "--nproc", "4", "--nodes", "2", *argv, "--save-params", pool_out],
+                   check=True, capture_output=True, timeout=300)
+    meet = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "zeronb-nodes"]
+    _two_nodes(meet, [*argv, "--save-params", run_out])
+    err = max_diff(torch.load(pool_out), torch.load(run_out))
+    assert err <= 1e-12, f"{extra}: torchrun and the pool differ by {err}"
+
+
 # (not --reduce-dtype: reducing float64 gradients in fp32 or bf16 rounds them, by design)
 PRACTICE = ["--grad-accum", "2", "--accum-sync", "last", "--clip", "0.05", "--activation-checkpointing"]
 
