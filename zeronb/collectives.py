@@ -197,17 +197,17 @@ def _run_ring(steps, op: str, segment_bytes: int, group=None) -> None:
         """Post segment k of one step's send and/or one step's receive, together."""
         a, b = segments[k]
         ops = []
+        if recv_step is not None:
+            ops.append(dist.P2POp(dist.irecv, steps[recv_step].recv[a:b], prv, group))
         if send_step is not None:
             if trace and send_step not in started:
                 started[send_step] = ledger.now(steps[send_step].send.device)
             ops.append(dist.P2POp(dist.isend, steps[send_step].send[a:b], nxt, group))
-        if recv_step is not None:
-            ops.append(dist.P2POp(dist.irecv, steps[recv_step].recv[a:b], prv, group))
         works = dist.batch_isend_irecv(ops)
-        if send_step is not None:
-            sends[send_step, k] = works[0]
         if recv_step is not None:
-            recvs[recv_step, k] = works[-1]
+            recvs[recv_step, k] = works[0]
+        if send_step is not None:
+            sends[send_step, k] = works[-1]
 
     for k in range(len(segments)):
         post(k, send_step=0, recv_step=0)

@@ -158,10 +158,13 @@ def connections() -> dict:
     return out
 
 
+UNPACED = 2**32 - 1  # ~0U: the kernel's "no limit"
+
+
 def set_pacing(fd: int, rate: int) -> None:
-    """Pace the socket behind `fd`: at most `rate` bytes per second sent on it."""
+    """Pace the socket behind `fd`: at most `rate` bytes per second sent on it (UNPACED: no limit)."""
     with socket.socket(fileno=os.dup(fd)) as s:
-        s.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, struct.pack("I" if rate < 2**32 - 1 else "Q", rate))
+        s.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, struct.pack("I" if rate <= UNPACED else "Q", rate))
 
 
 def _key(address) -> str:
@@ -234,6 +237,16 @@ class Links:
             except Exception:  # a socket closed meanwhile, the store going away at exit: try again
                 continue
 
+    def set_rates(self, inter: int | None, intra: int | None) -> None:
+        """Pace every known connection at new rates (None: unpaced), and the ones to come."""
+        with self._lock:
+            self.rates = {"inter": inter, "intra": intra}
+            for (local, peer), fd in connections().items():
+                other = self.peer_rank.get((local, peer))
+                if other is not None:
+                    kind = "inter" if self.topology.node_of(other) != self.topology.node_of(self.rank) else "intra"
+                    set_pacing(fd, self.rates[kind] if self.rates[kind] is not None else UNPACED)
+
     def crosses_nodes(self, connection) -> bool:
         """Whether a (local address, peer address) connection leads to another node."""
         if connection not in self.peer_rank:
@@ -257,6 +270,15 @@ def start_links(store_address: tuple, rank: int) -> Links | None:
     else:
         _links.update()
     return _links
+
+
+def set_link_rates(inter_node_bandwidth=None, intra_node_bandwidth=None) -> None:
+    """In every rank of a pool on several nodes (zeronb.run(set_link_rates, "20MB/s")): pace its links
+    at new rates from now on, without restarting the pool (None: unpaced). For sweeps over link
+    speeds; a pool's own settings stay what it was started with."""
+    if _links is None:
+        raise RuntimeError("set_link_rates needs a pool on several nodes: zeronb.start(world_size=4, nodes=2)")
+    _links.set_rates(parse_rate(inter_node_bandwidth), parse_rate(intra_node_bandwidth))
 
 
 def update_links() -> None:

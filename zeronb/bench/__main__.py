@@ -1,10 +1,11 @@
-"""`python -m zeronb.bench dispatch | collectives | zero`."""
+"""`python -m zeronb.bench dispatch | collectives | zero | nodes`."""
 import argparse
 import os
 import sys
 
 from .collectives import SIZES, collectives, print_collectives
 from .dispatch import dispatch, print_dispatch
+from .nodes import nodes, print_nodes
 from .stages import print_zero, zero
 
 def main(argv=None) -> int:
@@ -29,7 +30,17 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bf16-mixed"])
     p.add_argument("--grad-accum", type=int, default=4, help="micro-batches of the accumulation variants")
     p.add_argument("--models", nargs="+", default=["mlp", "gpt"], choices=["mlp", "gpt"])
+    p = sub.add_parser("nodes", help="2 nodes x 2 ranks, paced links: flat ring, hierarchical and gloo all-reduce "
+                                     "at several link ratios against the alpha-beta model; the stages' bytes across nodes")
+    p.add_argument("--ratios", type=float, nargs="+", default=[1, 4, 10, 16], help="intra-node rate / inter-node rate")
+    p.add_argument("--sizes", type=int, nargs="+", default=[4 << 20, 64 << 20], help="bytes")
+    p.add_argument("--intra-node-bandwidth", default="100MB/s")
+    p.add_argument("--reps", type=int, default=3)
     args = parser.parse_args(argv)
+    if args.what == "nodes":
+        from ..nodes import parse_rate
+
+        print_nodes(nodes(tuple(args.ratios), tuple(args.sizes), parse_rate(args.intra_node_bandwidth), args.reps))
     if args.what == "zero":
         print_zero(zero(args.world_size, models=tuple(args.models), rounds=args.rounds, steps=args.steps,
                          dtype=args.dtype, accum=args.grad_accum), args.world_size, args.dtype)

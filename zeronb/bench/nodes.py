@@ -1,0 +1,154 @@
+"""`python -m zeronb.bench nodes`: 2 nodes x 2 ranks on this machine, the links within a node paced
+at one rate and those between nodes at 1/ratio of it (zeronb.nodes), for several ratios in one pool:
+
+- the flat ring, the hierarchical all-reduce and gloo's all-reduce, measured (the slowest rank's
+  median, the three interleaved), beside the α–β model's prediction (zeronb.cost) from (α, β) fitted
+  to this pool's own single messages within a node and across nodes at that ratio;
+- the stages' step time and bytes across nodes (all ranks together, as the OS counted them) at one
+  ratio, beside what the ring formulas say should cross.
+"""
+from __future__ import annotations
+
+import statistics
+
+MiB = 1 << 20
+
+
+def _time_all_reduces(nbytes: int, reps: int) -> dict:
+    """Inside a rank: seconds of each all-reduce of `nbytes` (float32), interleaved, the slowest
+    rank's, median of `reps`."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ..collectives import hierarchical_all_reduce, ring_all_reduce
+
+    x = torch.ones(nbytes // 4)
+    ways = {"flat ring": ring_all_reduce, "hierarchical": hierarchical_all_reduce, "gloo": dist.all_reduce}
+    times = {name: [] for name in ways}
+    for _ in range(reps):
+        for name, fn in ways.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn(x)
+            t = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            times[name].append(t.item())
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _time_messages(sizes=(256 << 10, 1 << 20, 4 << 20), reps: int = 3) -> dict:
+    """Inside a rank: [(bytes, seconds)] of single messages, one way, within a node (rank 0 to 1)
+    and across nodes (rank 1 to 2): the receiver's clock, from a barrier to the message's arrival,
+    median of `reps`. For cost.fit; every rank returns the same."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    out = {"within": [], "across": []}
+    rank = dist.get_rank()
+    for nbytes in sizes:
+        x = torch.ones(nbytes // 4)
+        for name, (src, dst) in (("within", (0, 1)), ("across", (1, 2))):
+            ts = []
+            for _ in range(reps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                if rank == src:
+                    dist.send(x, dst)
+                elif rank == dst:
+                    dist.recv(x, src)
+                t = torch.tensor([time.perf_counter() - t0 if rank == dst else 0.0])
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                ts.append(t.item())
+            out[name].append((nbytes, statistics.median(ts)))
+    return out
+
+
+def _set_rates(inter, intra):
+    from ..nodes import set_link_rates
+
+    set_link_rates(inter, intra)
+
+
+def nodes(ratios=(1, 4, 10, 16), sizes=(4 * MiB, 64 * MiB), intra_bps: float = 100e6, reps: int = 3,
+          stage_ratio: int = 10, steps: int = 4) -> dict:
+    """{"collectives": rows, "stages": rows}; see the module docstring."""
+    from .. import cost
+    from ..cluster import Cluster
+    from ..runs import RunConfig
+    from ..train import run_many
+
+    rows, stage_rows = [], []
+    with Cluster(4, backend="gloo", nodes=2, intra_node_bandwidth=intra_bps, inter_node_bandwidth=intra_bps,
+                 verbose=False) as c:
+        for ratio in ratios:
+            c.run(_set_rates, intra_bps / ratio, intra_bps, echo=False)
+            ratio = int(ratio) if ratio == int(ratio) else ratio
+            timings = c.run(_time_messages, echo=False)[0]
+            intra, inter = cost.fit(timings["within"]), cost.fit(timings["across"])
+            for nbytes in sizes:
+                measured = c.run(_time_all_reduces, nbytes, reps, echo=False, timeout=1200)[0]
+                predicted = {"flat ring": cost.flat_all_reduce(nbytes, 2, 2, intra, inter),
+                             "hierarchical": cost.hierarchical_all_reduce(nbytes, 2, 2, intra, inter)}
+                predicted["gloo"] = predicted["flat ring"]  # gloo's all-reduce: a ring's bytes, a link between nodes
+                rows.append({"ratio": ratio, "bytes": nbytes, "measured": measured, "predicted": predicted,
+                             "intra": intra, "inter": inter})
+        c.run(_set_rates, intra_bps / stage_ratio, intra_bps, echo=False)
+        variants = {"DDP": dict(stage=0), "ZeRO-3": dict(stage=3, reduce_scatter="ring"),
+                    "HSDP": dict(stage=3, shard_group="node", reduce_scatter="ring"),
+                    "ZeRO++ hpZ": dict(stage=3, hpz=True, reduce_scatter="ring"),
+                    "ZeRO++ hpZ + qwZ": dict(stage=3, hpz=True, quantize_weights="int8", reduce_scatter="ring"),
+                    "MiCS (HSDP, 2 micro-batches)": dict(stage=3, shard_group="node", grad_accum=2,
+                                                         reduce_scatter="ring")}
+        reports = run_many({name: RunConfig(model="gpt", steps=steps, **kw) for name, kw in variants.items()}, c)
+    for name, rep in reports.items():
+        stage_rows.append({"variant": name, "step_ms": max(r.step_ms for r in rep.ranks),
+                           "across": sum(r.wire_across_nodes for r in rep.ranks),
+                           "within": sum(r.wire_within_node for r in rep.ranks),
+                           "expected_across": expected_across(name, rep), "psi_b": rep.ranks[0].num_params * 4})
+    return {"collectives": rows, "stages": stage_rows, "intra_bps": intra_bps, "stage_ratio": stage_ratio}
+
+
+def expected_across(name: str, report) -> float:
+    """Bytes all ranks together should send across nodes in one step, 2 nodes x 2 ranks, ring
+    collectives in node-major order: a pass over all N ranks crosses on k of its links, k(N−1)/N of
+    its size S in all; the replicas' all-reduce of a shard S/g sends 2(k−1)/k of it from every rank."""
+    from ..models import Config, make_model
+    from ..shards import padded_numel
+
+    N, k, g, b = 4, 2, 2, 4
+    units = [padded_numel(sum(p.numel() for p in u.parameters()), N) * b
+             for u in make_model(Config(kind="gpt")).units()]
+    M, last = sum(units), units[-1]
+    per_pass = k * (N - 1) / N
+    shard_ar = N * 2 * (k - 1) / k * M / g  # HSDP: every rank's share of its shard's all-reduce
+    return {"DDP": 2 * per_pass * report.ranks[0].num_params * b,
+            "ZeRO-3": per_pass * (3 * M - last),
+            "HSDP": shard_ar, "MiCS (HSDP, 2 micro-batches)": shard_ar,
+            "ZeRO++ hpZ": per_pass * 2 * M}.get(name, float("nan"))
+
+
+def print_nodes(result) -> None:
+    from ..nodes import human_rate
+
+    print(f"2 nodes x 2 ranks; links within a node paced at {human_rate(result['intra_bps'])}, between nodes at "
+          "1/ratio of that. Times: the slowest rank's median (ms); predicted: the alpha-beta model fitted to this "
+          "pool's single messages within and across nodes at that ratio.")
+    print(f"{'ratio':>5} {'size':>8}  {'flat ring':>17} {'hierarchical':>17} {'gloo':>17}   hier vs flat (measured / "
+          "predicted)")
+    for r in result["collectives"]:
+        m, p = r["measured"], r["predicted"]
+        cells = "".join(f" {m[k] * 1e3:8.1f} / {p[k] * 1e3:6.1f}" for k in ("flat ring", "hierarchical", "gloo"))
+        print(f"{r['ratio']:>5} {r['bytes'] // MiB:>5} MiB {cells}   {m['flat ring'] / m['hierarchical']:.2f}x / "
+              f"{p['flat ring'] / p['hierarchical']:.2f}x")
+    print(f"\nStages at a {result['stage_ratio']}:1 ratio (GPT, float32; zeronb's ring reduce-scatter): bytes across "
+          "nodes per step, all ranks together, as the OS counted them, against the ring formula")
+    print(f"{'variant':>30} {'step ms':>8} {'across KiB':>11} {'formula KiB':>12} {'÷ formula':>10} {'within KiB':>11}")
+    for r in result["stages"]:
+        known = r["expected_across"] == r["expected_across"]  # (no formula: nan)
+        formula = f"{r['expected_across'] / 1024:12.1f} {r['across'] / r['expected_across']:10.3f}" if known else \
+            f"{'–':>12} {'–':>10}"
+        print(f"{r['variant']:>30} {r['step_ms']:8.1f} {r['across'] / 1024:11.1f} {formula} {r['within'] / 1024:11.1f}")

@@ -1,0 +1,68 @@
+"""The α–β cost model with two kinds of link (chapter 5's model, chapter 13's nodes): a message of
+S bytes over a link takes α + β·S seconds, α the link's latency per step and β its seconds per byte
+(1/β its bandwidth), with one (α, β) within a node and another between nodes.
+
+A ring over n ranks takes 2(n−1) steps for an all-reduce, each moving S/n bytes over every link at
+once, so its time is set by its slowest link:
+
+    flat ring over N ranks on k nodes        2(N−1)·α_out + 2(N−1)/N · S · β_out
+    hierarchical (zeronb.collectives)        2(g−1)·α_in + 2(g−1)/g · S · β_in          within the node
+                                           + 2(k−1)·α_out + 2(k−1)/k · (S/g) · β_out  across, on a shard
+
+with g = N/k ranks per node. `fit` reads (α, β) for a link from single messages sent over it (this
+pool's own measurements); `at_scale` applies the same model to published link speeds. It assumes one link per pair of ranks, each direction at full speed, no contention,
+and that a ring's steps pipeline perfectly; what it leaves out is what the measurements show.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Link:
+    alpha: float  # seconds per step
+    beta: float   # seconds per byte
+
+    @property
+    def bandwidth(self) -> float:
+        return 1 / self.beta
+
+
+def ring_all_reduce(nbytes: float, n: int, link: Link) -> float:
+    """A ring all-reduce of `nbytes` over n ranks whose slowest link is `link`."""
+    return 0.0 if n == 1 else 2 * (n - 1) * link.alpha + 2 * (n - 1) / n * nbytes * link.beta
+
+
+def flat_all_reduce(nbytes: float, nodes: int, per_node: int, intra: Link, inter: Link) -> float:
+    """One ring over all N = nodes·per_node ranks: across nodes at least one link is between nodes,
+    and every step waits for it."""
+    return ring_all_reduce(nbytes, nodes * per_node, inter if nodes > 1 else intra)
+
+
+def hierarchical_all_reduce(nbytes: float, nodes: int, per_node: int, intra: Link, inter: Link) -> float:
+    """Reduce-scatter within the node, all-reduce of the shard across nodes, all-gather within."""
+    return ring_all_reduce(nbytes, per_node, intra) + ring_all_reduce(nbytes / per_node, nodes, inter)
+
+
+def fit(timings: list) -> Link:
+    """(α, β) of a link from [(bytes, seconds)] of single messages sent over it, one way: the model's
+    t = α + β·S for one message, fitted on relative errors (zeronb.bench.fit_alpha_beta)."""
+    from .bench import fit_alpha_beta
+
+    sizes, seconds = zip(*timings)
+    alpha, beta = fit_alpha_beta(sizes, seconds)
+    return Link(max(alpha, 0.0), beta)
+
+
+def at_scale(nbytes: float, nodes: int, per_node: int, intra: Link, inter: Link) -> dict:
+    """Communication time of one step's gradients and parameters for DDP, ZeRO-3, HSDP and ZeRO++
+    (hpZ), from the model: `nbytes` the model's parameters (or gradients) in bytes. Every collective
+    is a ring; ZeRO-3's all-gathers and reduce-scatter each cost half a flat all-reduce."""
+    flat = flat_all_reduce(nbytes, nodes, per_node, intra, inter)
+    within = ring_all_reduce(nbytes, per_node, intra)
+    return {
+        "DDP": flat,                                                  # one all-reduce
+        "ZeRO-3": 1.5 * flat,                                         # all-gather x2 + reduce-scatter, all over N
+        "HSDP": 1.5 * within + ring_all_reduce(nbytes / per_node, nodes, inter),  # ZeRO-3 in the node + the shard
+        "ZeRO++ hpZ": 1.0 * flat + 0.5 * within,                      # forward gather and reduce-scatter over N
+    }
