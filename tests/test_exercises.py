@@ -317,3 +317,80 @@ def test_accumulate_and_clip_checker():
     for message, fn in mistakes.items():
         v = exercises.check_accumulate_and_clip(fn)
         assert not v.ok and message in str(v), (message, str(v))
+
+
+# --- chapter 13: two nodes of two ranks; bytes across nodes counted by the OS ----------------------
+
+def hierarchical_all_reduce(t):
+    from zeronb.compat import all_gather_single, reduce_scatter_single
+    from zeronb.nodes import node_groups
+
+    within, across = node_groups()
+    shard = t.new_empty(t.numel() // dist.get_world_size(within))
+    reduce_scatter_single(shard, t, group=within)
+    dist.all_reduce(shard, group=across)
+    all_gather_single(t, shard, group=within)
+    return t
+
+
+def whole_tensor_across(t):  # the right sum, but the whole tensor crosses the slow link
+    from zeronb.nodes import node_groups
+
+    within, across = node_groups()
+    dist.all_reduce(t, group=within)
+    dist.all_reduce(t, group=across)
+    return t
+
+
+def test_hierarchical_all_reduce_checker():
+    assert exercises.check_hierarchical_all_reduce(hierarchical_all_reduce).ok
+    v = exercises.check_hierarchical_all_reduce(whole_tensor_across, sizes=(65536,))
+    assert not v.ok and "bytes across nodes" in str(v) and "the result" not in str(v)
+    v = exercises.check_hierarchical_all_reduce(lambda t: dist.all_reduce(t) or t, sizes=(65536,))
+    assert not v.ok and str(v).count("bytes across nodes;") == 2  # gloo's flat ring: two of its four edges cross
+
+    def skip_the_gather(t):
+        from zeronb.compat import reduce_scatter_single
+        from zeronb.nodes import node_groups
+
+        within, across = node_groups()
+        shard = t.new_empty(t.numel() // 2)
+        reduce_scatter_single(shard, t, group=within)
+        dist.all_reduce(shard, group=across)
+        return torch.cat([shard, shard])
+
+    v = exercises.check_hierarchical_all_reduce(skip_the_gather, sizes=(8,))
+    assert not v.ok and "chunk 1" in str(v)
+
+
+def hsdp_gradient(grad):
+    from zeronb.compat import reduce_scatter_single
+    from zeronb.nodes import node_groups
+
+    within, across = node_groups()
+    shard = grad.new_empty(grad.numel() // dist.get_world_size(within))
+    reduce_scatter_single(shard, grad, group=within)
+    dist.all_reduce(shard, group=across)
+    return shard / dist.get_world_size()
+
+
+def test_hsdp_gradient_checker():
+    assert exercises.check_hsdp_gradient(hsdp_gradient).ok
+
+    def average_within_only(grad):
+        from zeronb.nodes import node_groups
+
+        return hsdp_gradient(grad) * dist.get_world_size() / dist.get_world_size(node_groups()[0])
+
+    v = exercises.check_hsdp_gradient(average_within_only)
+    assert not v.ok and "2 x the average" in str(v)
+
+    def all_reduce_then_slice(grad):  # right shard, the whole gradient sent across
+        g = 2
+        dist.all_reduce(grad)
+        c = grad.numel() // g
+        i = dist.get_rank() % g
+        return grad[i * c:(i + 1) * c] / dist.get_world_size()
+
+    v = exercises.check_hsdp_gradient(all_reduce_then_slice)
+    assert not v.ok and "bytes across nodes" in str(v) and "the average" not in str(v)

@@ -17,9 +17,10 @@ network between them. What it does not: a NIC shared by a node's GPUs, switch co
 The connections are gloo's, opened in C++ whenever a process group is made, so a rank finds them
 where the kernel lists them (/proc/self/fd). To tell which rank is at the other end, every rank
 publishes the local address of each of its connections in the rendezvous store; a connection's
-peer address is some rank's local address. `LinkPacer` does this once when asked (`pace()`, which
-waits for the peers' entries) and from then on in a background thread, so that connections
-opened later (a new subgroup, a DeviceMesh) are paced within a fraction of a second.
+peer address is some rank's local address. `Links` does this when the pool starts and whenever
+zeronb makes process groups (`update_links()`, which waits for the peers' entries), and from then
+on every 50 ms in a background thread, so that connections opened elsewhere (a DeviceMesh made by
+the learner's code) are paced within a fraction of a second.
 """
 from __future__ import annotations
 

@@ -1,0 +1,116 @@
+"""Checkers for the exercises of chapter 13 (nodes): the hierarchical all-reduce and HSDP's gradient
+path. Both run on a pool of 2 nodes x 2 ranks and count, with the OS, the bytes each rank sent
+across nodes: a right answer that sends the whole tensor over the slow link is still wrong."""
+from __future__ import annotations
+
+import torch
+
+from .checking import Verdict, _compare, _inputs, _run
+
+SLACK = 1.05, 4096  # gloo's message headers and TCP's small messages: 5 % and 4 KiB over the ring's bytes
+
+
+def _node_pool(world_size: int, nodes: int):
+    """The notebook's pool if it already has this shape (its link rates kept), else a new one."""
+    from ..cluster import _default, start
+
+    if (_default is not None and not _default.closed and _default.world_size == world_size
+            and _default.nodes == nodes):
+        return _default
+    return start(world_size, nodes=nodes, verbose=False)
+
+
+def _across_limit(nbytes: float) -> int:
+    return int(SLACK[0] * nbytes + SLACK[1])
+
+
+def _try_hierarchical(fn, numel, dtype):
+    import torch.distributed as dist
+
+    from ..ledger import WireMeter
+
+    x = _inputs(dist.get_rank(), numel, dtype)
+    want = x.clone()
+    dist.all_reduce(want)
+    with WireMeter() as wire:
+        got = fn(x)
+    return (got.cpu() if isinstance(got, torch.Tensor) else got), want.cpu(), wire.by_node
+
+
+def check_hierarchical_all_reduce(fn, world_size: int = 4, nodes: int = 2, sizes=(8, 65536),
+                                  dtype=torch.float32) -> Verdict:
+    """Exercise (chapter 13): `fn(tensor) -> tensor`, the all-reduce (sum) in three hops: reduce-scatter
+    within the node, all-reduce of this rank's shard across nodes (with the ranks of the same local
+    rank), all-gather within the node (`zeronb.nodes.node_groups()` gives the two groups). Besides
+    the sum, each rank may send at most 2(k-1)/k of its shard across nodes (k nodes, measured by
+    the OS; 5 % and 4 KiB allowed for headers). Sizes divide evenly by the world size."""
+    title = "hierarchical all-reduce"
+    pool, problems = _node_pool(world_size, nodes), []
+    k, g = nodes, world_size // nodes
+    for numel in sizes:
+        res, err = _run(pool, _try_hierarchical, fn, numel, dtype, timeout=60)
+        if err:
+            return Verdict(title, [f"with {numel} elements: {err}"])
+        n = numel // g
+        chunks = [(c * n, (c + 1) * n) for c in range(g)]
+        nbytes = numel * torch.tensor([], dtype=dtype).element_size()
+        bound = _across_limit(2 * (k - 1) / k * nbytes / g)
+        for rank, (got, want, by_node) in enumerate(res):
+            problems += [f"with {numel} elements, {p}" for p in _compare("the result", rank, got, want, dtype, chunks)]
+            if numel >= 4096 and by_node["across"] > bound:
+                problems.append(
+                    f"with {numel} elements ({nbytes} bytes), rank {rank} sent {by_node['across']} bytes across nodes; "
+                    f"the hierarchical all-reduce sends 2(k-1)/k of its 1/{g} shard, {2 * (k - 1) / k * nbytes / g:.0f} "
+                    "bytes (did the whole tensor, rather than the node's reduced shard, cross?)")
+    return Verdict(title, problems, [f"checked on {k} nodes x {g} ranks, sizes {list(sizes)}, against "
+                                     "dist.all_reduce; bytes across nodes counted by the OS"])
+
+
+def _try_hsdp_gradient(fn, numel):
+    import torch.distributed as dist
+
+    from ..ledger import WireMeter
+    from ..nodes import Topology
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    topology = Topology.from_env()
+    grad = _inputs(rank, numel, torch.float64)
+    mean = torch.stack([_inputs(r, numel, torch.float64) for r in range(n)]).mean(0)
+    c = numel // topology.per_node
+    local = topology.local_rank(rank)
+    want = mean[local * c:(local + 1) * c]
+    with WireMeter() as wire:
+        got = fn(grad.clone())
+    return (got.cpu() if isinstance(got, torch.Tensor) else got), want.cpu(), wire.by_node
+
+
+def check_hsdp_gradient(fn, world_size: int = 4, nodes: int = 2, numel: int = 32768) -> Verdict:
+    """Exercise (chapter 13): `fn(flat_grad) -> shard`, HSDP's gradient path: this rank's 1/g shard
+    (g ranks per node; shard i for local rank i) of the gradient averaged over every rank of every
+    node, made by a reduce-scatter within the node and an all-reduce of the shard across nodes.
+    Checked against the average computed in one process, and by the bytes each rank sent across
+    nodes: at most 2(k-1)/k of the shard (5 % and 4 KiB allowed for headers)."""
+    title = "HSDP gradient: reduce-scatter within, all-reduce across"
+    pool, problems = _node_pool(world_size, nodes), []
+    k, g = nodes, world_size // nodes
+    res, err = _run(pool, _try_hsdp_gradient, fn, numel, timeout=60)
+    if err:
+        return Verdict(title, [err])
+    shard_bytes = numel // g * 8
+    bound = _across_limit(2 * (k - 1) / k * shard_bytes)
+    for rank, (got, want, by_node) in enumerate(res):
+        found = _compare("the gradient shard", rank, got, want, torch.float64)
+        if found and isinstance(got, torch.Tensor) and got.shape == want.shape:
+            ratio = float(got.double() @ want.double() / (want.double() @ want.double()))
+            if not torch.allclose(got.double(), ratio * want.double(), rtol=1e-9, atol=0):
+                pass  # not a multiple of the right shard: the element-by-element problems say more
+            elif abs(ratio - 1) > 1e-9:
+                found = [f"rank {rank}: the shard is {ratio:.6g} x the average; the average over all "
+                         f"{world_size} ranks is their sum divided by {world_size}"]
+        problems += found
+        if by_node["across"] > bound:
+            problems.append(f"rank {rank} sent {by_node['across']} bytes across nodes; all-reducing the "
+                            f"{shard_bytes}-byte shard sends {2 * (k - 1) / k * shard_bytes:.0f} (did the whole "
+                            "gradient cross before the node reduced it?)")
+    return Verdict(title, problems, [f"checked on {k} nodes x {g} ranks, {numel} float64 elements, against the "
+                                     "gradient averaged in one process; bytes across nodes counted by the OS"])
