@@ -243,3 +243,9 @@ def test_soak_1000_dispatches_with_cuda_memory_stays_flat(pool):
     print(f"soak on {N} NCCL rank(s): rank RSS {[r >> 20 for r in rss0]} -> {[r >> 20 for r in rss1]} MiB")
     for a, b in zip(rss0, rss1):
         assert b < 1.10 * a, f"rank memory grew {a >> 20} -> {b >> 20} MiB"
+
+
+def test_paced_nodes_on_nccl_are_refused_with_what_to_do():
+    """A link rate cannot slow NCCL's NVLink/PCIe traffic: asking for one is an error, not a silent lie."""
+    with pytest.raises(ValueError, match="backend='gloo'"):
+        Cluster(1, backend="nccl", intra_node_bandwidth="10MB/s", verbose=False)

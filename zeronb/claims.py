@@ -1,6 +1,6 @@
 """The claims of the course's source notes, as data: one record per claim - what a note says (in
 the book's words), which measurement settles it, and how the verdict follows from that
-measurement. Chapter 13 measures (the `Evidence`), `judge` computes every verdict from it, and
+measurement. Chapter 14 measures (the `Evidence`), `judge` computes every verdict from it, and
 `table` shows them: the page changes when the measurements do.
 
 Verdicts: "true", "false", "only when" (true in a setting the claim does not name, which `why`
@@ -27,7 +27,7 @@ CLAIMED_SHARE = {1: 0.75, 2: 0.50, 3: 1 / 3}  # "DDP 100%, ZeRO-1 ~75%, ZeRO-2 ~
 
 @dataclass
 class Evidence:
-    """What chapter 13 measured, as the judges read it. Reports are RankReports of rank 0 (float64
+    """What chapter 14 measured, as the judges read it. Reports are RankReports of rank 0 (float64
     unless named otherwise); the GPT is the model throughout."""
     world_size: int
     tensor_bytes: int        # S: the float64 tensor all-reduced two ways

@@ -80,7 +80,12 @@ def _check_settings(world_size, backend, nodes, threads, inter=None, intra=None)
     links = check_links(world_size, nodes, inter, intra)
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be a positive int (torch threads per rank), not {threads!r}")
-    return (*_backend.choose_backend(world_size, backend), links)
+    chosen, why = _backend.choose_backend(world_size, backend)
+    if chosen == "nccl" and any(rate is not None for rate in links.values()):
+        raise ValueError("inter_node_bandwidth / intra_node_bandwidth pace gloo's TCP connections; NCCL's traffic "
+                         "goes over NVLink or PCIe, which no socket option slows. Start the pool with backend='gloo' "
+                         "to make the nodes' links real, or without the rates for a topology only")
+    return chosen, why, links
 
 
 def _default_timeout() -> float:

@@ -66,3 +66,32 @@ def at_scale(nbytes: float, nodes: int, per_node: int, intra: Link, inter: Link)
         "HSDP": 1.5 * within + ring_all_reduce(nbytes / per_node, nodes, inter),  # ZeRO-3 in the node + the shard
         "ZeRO++ hpZ": 1.0 * flat + 0.5 * within,                      # forward gather and reduce-scatter over N
     }
+
+
+def bytes_across(variant: str, unit_bytes: list, nodes: int, per_node: int, impl: str = "zeronb") -> float:
+    """Bytes all ranks together send across nodes in one training step, every collective a ring over
+    node-major ranks. A pass (all-gather or reduce-scatter) of S bytes over all N ranks sends
+    (N−1)/N·S from each rank, and the k ranks at the ring's node boundaries send theirs across:
+    k(N−1)/N·S. `unit_bytes`: each unit's parameters in bytes, padded to a multiple of N, in forward
+    order (DDP: one unit, the gradients). impl="torch": FSDP2 on gloo, which gathers every unit twice
+    and runs a reduce-scatter as a whole all-reduce (two passes).
+
+        DDP      an all-reduce: two passes of M
+        ZeRO-3   all-gathers before forward (M) and backward (M, the last unit kept), a reduce-scatter (M)
+        hpZ      the backward's all-gathers within the node: only forward's and the reduce-scatter cross
+        HSDP     within the node only, but the replicas' all-reduce of each rank's shard M/g over the k
+                 nodes: 2(k−1)/k·M/g from every rank (MiCS: the same, once per step)"""
+    N, k, g = nodes * per_node, nodes, per_node
+    M, last = sum(unit_bytes), unit_bytes[-1]
+    per_pass = k * (N - 1) / N
+    rs = 2 if impl == "torch" else 1                    # passes of a reduce-scatter
+    backward = M if impl == "torch" else M - last       # the backward's all-gathers over N ranks
+    if variant == "DDP":
+        return 2 * per_pass * M
+    if variant == "ZeRO-3":
+        return per_pass * (M + backward + rs * M)
+    if variant == "hpZ":
+        return per_pass * (M + rs * M)
+    if variant in ("HSDP", "MiCS"):
+        return N * 2 * (k - 1) / k * M / g
+    raise ValueError(f"no formula for {variant!r}: DDP, ZeRO-3, hpZ, HSDP or MiCS")

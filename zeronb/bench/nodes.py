@@ -14,7 +14,7 @@ import statistics
 MiB = 1 << 20
 
 
-def _time_all_reduces(nbytes: int, reps: int) -> dict:
+def time_all_reduces(nbytes: int, reps: int) -> dict:
     """Inside a rank: seconds of each all-reduce of `nbytes` (float32), interleaved, the slowest
     rank's, median of `reps`."""
     import time
@@ -38,7 +38,7 @@ def _time_all_reduces(nbytes: int, reps: int) -> dict:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def _time_messages(sizes=(256 << 10, 1 << 20, 4 << 20), reps: int = 3) -> dict:
+def time_messages(sizes=(256 << 10, 1 << 20, 4 << 20), reps: int = 3) -> dict:
     """Inside a rank: [(bytes, seconds)] of single messages, one way, within a node (rank 0 to 1)
     and across nodes (rank 1 to 2): the receiver's clock, from a barrier to the message's arrival,
     median of `reps`. For cost.fit; every rank returns the same."""
@@ -87,10 +87,10 @@ def nodes(ratios=(1, 4, 10, 16), sizes=(4 * MiB, 64 * MiB), intra_bps: float = 1
         for ratio in ratios:
             c.run(_set_rates, intra_bps / ratio, intra_bps, echo=False)
             ratio = int(ratio) if ratio == int(ratio) else ratio
-            timings = c.run(_time_messages, echo=False)[0]
+            timings = c.run(time_messages, echo=False)[0]
             intra, inter = cost.fit(timings["within"]), cost.fit(timings["across"])
             for nbytes in sizes:
-                measured = c.run(_time_all_reduces, nbytes, reps, echo=False, timeout=1200)[0]
+                measured = c.run(time_all_reduces, nbytes, reps, echo=False, timeout=1200)[0]
                 predicted = {"flat ring": cost.flat_all_reduce(nbytes, 2, 2, intra, inter),
                              "hierarchical": cost.hierarchical_all_reduce(nbytes, 2, 2, intra, inter)}
                 predicted["gloo"] = predicted["flat ring"]  # gloo's all-reduce: a ring's bytes, a link between nodes
@@ -112,23 +112,24 @@ def nodes(ratios=(1, 4, 10, 16), sizes=(4 * MiB, 64 * MiB), intra_bps: float = 1
     return {"collectives": rows, "stages": stage_rows, "intra_bps": intra_bps, "stage_ratio": stage_ratio}
 
 
-def expected_across(name: str, report) -> float:
-    """Bytes all ranks together should send across nodes in one step, 2 nodes x 2 ranks, ring
-    collectives in node-major order: a pass over all N ranks crosses on k of its links, k(N−1)/N of
-    its size S in all; the replicas' all-reduce of a shard S/g sends 2(k−1)/k of it from every rank."""
+def expected_across(name: str, report, nodes: int = 2) -> float:
+    """Bytes all ranks together should send across nodes in one step (zeronb.cost.bytes_across),
+    nan where there is no formula (qwZ)."""
+    from ..cost import bytes_across
     from ..models import Config, make_model
     from ..shards import padded_numel
 
-    N, k, g, b = 4, 2, 2, 4
-    units = [padded_numel(sum(p.numel() for p in u.parameters()), N) * b
-             for u in make_model(Config(kind="gpt")).units()]
-    M, last = sum(units), units[-1]
-    per_pass = k * (N - 1) / N
-    shard_ar = N * 2 * (k - 1) / k * M / g  # HSDP: every rank's share of its shard's all-reduce
-    return {"DDP": 2 * per_pass * report.ranks[0].num_params * b,
-            "ZeRO-3": per_pass * (3 * M - last),
-            "HSDP": shard_ar, "MiCS (HSDP, 2 micro-batches)": shard_ar,
-            "ZeRO++ hpZ": per_pass * 2 * M}.get(name, float("nan"))
+    N, b = report.world_size, 4
+    variant = {"MiCS (HSDP, 2 micro-batches)": "MiCS", "ZeRO++ hpZ": "hpZ"}.get(name, name)
+    if variant == "DDP":
+        units = [report.ranks[0].num_params * b]
+    else:
+        units = [padded_numel(sum(p.numel() for p in u.parameters()), N) * b
+                 for u in make_model(Config(kind="gpt")).units()]
+    try:
+        return bytes_across(variant, units, nodes, N // nodes)
+    except ValueError:
+        return float("nan")
 
 
 def print_nodes(result) -> None:
