@@ -71,19 +71,24 @@ def test_ranks_are_numbered_node_major_with_torchruns_variables(two_nodes):
 
 # --- the slow link ------------------------------------------------------------------------------
 
-def _send_rate(src, dst, nbytes, new_group):
-    """Seconds for `src` to send `nbytes` to `dst`, over the world's connection or a group made now
-    (its connections are paced by the background thread: nothing is asked of it here)."""
+def _first_message_seconds(src, dst, nbytes, made):
+    """Seconds for the first message `src` sends to `dst` over connections made just now: the pool's
+    own (made="at start"), a group made with dist.new_group, or a DeviceMesh's group. Nothing is
+    asked of zeronb and nothing waits: the connection must be paced before its first byte."""
     import time
 
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
-    group = dist.new_group([src, dst]) if new_group else None
-    if new_group:
-        time.sleep(0.3)
+    group = None
+    if made == "new_group":
+        group = dist.new_group([src, dst])
+    elif made == "mesh":
+        mesh = init_device_mesh("cpu", (2, 2))   # dim 0: {0, 2} and {1, 3}, across; dim 1: {0, 1} and {2, 3}
+        group = mesh.get_group(0 if src % 2 == dst % 2 else 1)
     x = torch.zeros(nbytes // 4)
     rank = dist.get_rank()
-    dist.barrier()
+    dist.barrier()   # over the world's connections: the new group's carry nothing before the send
     t0 = time.perf_counter()
     if rank == src:
         dist.send(x, dst, group=group)
@@ -94,13 +99,74 @@ def _send_rate(src, dst, nbytes, new_group):
     return seconds
 
 
-@pytest.mark.parametrize("new_group", [False, True], ids=["at start", "a group made later"])
-def test_links_between_nodes_and_within_run_at_the_rates_asked_for(new_group):
+def _at_rate(nbytes, seconds, rate) -> bool:
+    """The check: the message went at the rate asked for, within 10%. A paced transfer of a few
+    hundred ms is the kernel's timing; what the CPU adds is milliseconds."""
+    return abs(nbytes / seconds / rate - 1) < 0.1
+
+
+@pytest.mark.parametrize("made", ["at start", "new_group", "mesh"])
+def test_links_run_at_the_rates_asked_for_from_their_first_byte(made):
     with Cluster(4, backend="gloo", nodes=2, inter_node_bandwidth="20MB/s", intra_node_bandwidth="40MB/s",
                  verbose=False) as c:
-        for (src, dst), rate in (((1, 2), 20 * MB), ((0, 1), 40 * MB)):
-            seconds = c.run(_send_rate, src, dst, 4 * MB, new_group, echo=False)[dst]
-            assert abs(4 * MB / seconds / rate - 1) < 0.1, (src, dst, 4 * MB / seconds)
+        for (src, dst), rate in (((0, 2), 20 * MB), ((0, 1), 40 * MB)):
+            seconds = c.run(_first_message_seconds, src, dst, 4 * MB, made, echo=False)[dst]
+            assert _at_rate(4 * MB, seconds, rate), (made, src, dst, 4 * MB / seconds)
+
+
+def test_the_rate_check_fails_on_a_link_left_unpaced():
+    """The bug the check above guards against: a connection that carries data before it is paced
+    (as a group's did when only the 50 ms background thread paced new connections)."""
+    from zeronb.nodes import set_link_rates
+
+    with Cluster(4, backend="gloo", nodes=2, inter_node_bandwidth="20MB/s", verbose=False) as c:
+        c.run(set_link_rates, None, None, echo=False)   # every link unpaced
+        seconds = c.run(_first_message_seconds, 0, 2, 4 * MB, "new_group", echo=False)[2]
+        assert not _at_rate(4 * MB, seconds, 20 * MB), 4 * MB / seconds
+
+
+def _placements(nbytes, reps):
+    """Times of the hierarchical all-reduce on the nodes' groups and on groups of another placement
+    ({0, 2} and {1, 3} "within"), taking turns (zeronb.bench.nodes.time_all_reduces)."""
+    from functools import partial
+
+    import torch.distributed as dist
+
+    from zeronb.bench.nodes import time_all_reduces
+    from zeronb.collectives import hierarchical_all_reduce
+
+    rank = dist.get_rank()
+    within = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    across = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    wrong = partial(hierarchical_all_reduce, groups=(within[rank % 2], across[rank // 2]))
+    return time_all_reduces(nbytes, reps, {"right": hierarchical_all_reduce, "wrong": wrong})
+
+
+def test_chapter_13s_timing_checks_fail_on_the_bugs_they_guard():
+    """Chapter 13 holds the median of a paced all-reduce to the alpha-beta model within 20%, and the
+    hierarchy to more than 1.5x faster than the flat ring. Those checks must catch a hierarchy on
+    groups that do not match the nodes, and a link between nodes that is not paced."""
+    from statistics import median
+
+    from zeronb import cost
+    from zeronb.bench.nodes import time_all_reduces, time_messages
+    from zeronb.nodes import set_link_rates
+
+    S = 2 << 20
+    with Cluster(4, backend="gloo", nodes=2, intra_node_bandwidth="100MB/s", inter_node_bandwidth="10MB/s",
+                 verbose=False) as c:
+        links = c.run(time_messages, (256 << 10, 1 << 20, 2 << 20), 3, echo=False)[0]
+        intra, inter = cost.fit(links["within"]), cost.fit(links["across"])
+        model = {"flat ring": cost.flat_all_reduce(S, 2, 2, intra, inter),
+                 "hierarchical": cost.hierarchical_all_reduce(S, 2, 2, intra, inter)}
+        times = {way: median(ts) for way, ts in c.run(_placements, S, 3, echo=False)[0].items()}
+        assert abs(times["right"] / model["hierarchical"] - 1) < 0.2, (times, model)   # passes on the right groups
+        assert abs(times["wrong"] / model["hierarchical"] - 1) > 0.2, (times, model)   # fails on the wrong ones
+
+        c.run(set_link_rates, None, "100MB/s", echo=False)   # the link between nodes left unpaced
+        unpaced = {way: median(ts) for way, ts in c.run(time_all_reduces, S, 3, echo=False)[0].items()}
+        assert abs(unpaced["flat ring"] / model["flat ring"] - 1) > 0.2, (unpaced, model)
+        assert unpaced["flat ring"] / unpaced["hierarchical"] < 1.5, unpaced
 
 
 # --- the hierarchical all-reduce ------------------------------------------------------------------

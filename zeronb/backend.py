@@ -114,10 +114,7 @@ def per_world(key, make):
         _per_world.clear()
         _per_world["world"] = dist.group.WORLD
     if key not in _per_world:
-        from .nodes import update_links
-
         _per_world[key] = make()
-        update_links()  # on several nodes, its connections are told apart and paced at once
     return _per_world[key]
 
 

@@ -89,3 +89,27 @@ def fsdp2_unsharded_grads(model) -> list:
                 out += [t for t in (getattr(unsharded, "grad", None), getattr(fsdp_param, "unsharded_accumulated_grad", None))
                         if t is not None]
     return out
+
+
+def after_new_group(callback) -> None:
+    """Call `callback()` in this process each time torch has made a process group here, before the
+    group is handed back: `new_group`, `new_subgroups*` and a DeviceMesh's groups on gloo all go
+    through `distributed_c10d._new_process_group_helper` (torch 2.4 to 2.13; only `split_group`,
+    which a mesh uses for NCCL communicators, does not). torch offers no public hook for this, so
+    the helper is wrapped, once per process; a group's connections exist when it returns."""
+    import torch.distributed.distributed_c10d as c10d
+
+    helper = c10d._new_process_group_helper
+    if not hasattr(helper, "callbacks"):
+        made = helper
+
+        def helper(*args, **kwargs):
+            out = made(*args, **kwargs)
+            for fn in helper.callbacks:
+                fn()
+            return out
+
+        helper.callbacks = []
+        c10d._new_process_group_helper = helper
+    if callback not in helper.callbacks:
+        helper.callbacks.append(callback)

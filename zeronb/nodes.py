@@ -17,10 +17,11 @@ network between them. What it does not: a NIC shared by a node's GPUs, switch co
 The connections are gloo's, opened in C++ whenever a process group is made, so a rank finds them
 where the kernel lists them (/proc/self/fd). To tell which rank is at the other end, every rank
 publishes the local address of each of its connections in the rendezvous store; a connection's
-peer address is some rank's local address. `Links` does this when the pool starts and whenever
-zeronb makes process groups (`update_links()`, which waits for the peers' entries), and from then
-on every 50 ms in a background thread, so that connections opened elsewhere (a DeviceMesh made by
-the learner's code) are paced within a fraction of a second.
+peer address is some rank's local address. `Links` does this when the pool starts and each time
+torch makes a process group in the rank (`new_group`, a DeviceMesh: compat.after_new_group), before
+the group is handed back, waiting for the peers' entries: a connection is paced before it carries
+its first byte, whoever made the group. A background thread looks again every 50 ms, for
+connections opened any other way.
 """
 from __future__ import annotations
 
@@ -219,8 +220,12 @@ class Links:
             self._classify(self._store, conns, wait=True)
 
     def start(self) -> "Links":
-        """Update now, then keep classifying and pacing new connections in the background."""
+        """Update now and after every process group made from now on; look for other new
+        connections in the background."""
+        from .compat import after_new_group
+
         self.update()
+        after_new_group(update_links)
         threading.Thread(target=self._watch, name="zeronb-links", daemon=True).start()
         return self
 
@@ -283,8 +288,8 @@ def set_link_rates(inter_node_bandwidth=None, intra_node_bandwidth=None) -> None
 
 
 def update_links() -> None:
-    """Classify and pace the connections opened since the last look, now rather than a moment later
-    (the background thread's). Without nodes it does nothing."""
+    """Classify and pace the connections opened since the last look. Called after every process
+    group torch makes in a rank of a pool on several nodes; without nodes it does nothing."""
     if _links is not None:
         _links.update()
 

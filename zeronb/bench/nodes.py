@@ -14,9 +14,12 @@ import statistics
 MiB = 1 << 20
 
 
-def time_all_reduces(nbytes: int, reps: int) -> dict:
-    """Inside a rank: seconds of each all-reduce of `nbytes` (float32), interleaved, the slowest
-    rank's, median of `reps`."""
+def time_all_reduces(nbytes: int, reps: int, ways: dict | None = None) -> dict:
+    """Inside a rank: {way: [seconds, ...]}, `reps` timings of each all-reduce of `nbytes` (float32),
+    each the slowest rank's. The ways take turns (one of each, then again), so that a slow moment of
+    the machine falls on all of them alike, after one untimed turn that makes what a first call
+    makes (process groups and their connections, buffers). `ways`: {name: fn(tensor)}; by default
+    the flat ring, the hierarchical all-reduce and gloo's own."""
     import time
 
     import torch
@@ -25,17 +28,24 @@ def time_all_reduces(nbytes: int, reps: int) -> dict:
     from ..collectives import hierarchical_all_reduce, ring_all_reduce
 
     x = torch.ones(nbytes // 4)
-    ways = {"flat ring": ring_all_reduce, "hierarchical": hierarchical_all_reduce, "gloo": dist.all_reduce}
+    if ways is None:
+        ways = {"flat ring": ring_all_reduce, "hierarchical": hierarchical_all_reduce, "gloo": dist.all_reduce}
     times = {name: [] for name in ways}
-    for _ in range(reps):
+    for rep in range(reps + 1):
         for name, fn in ways.items():
             dist.barrier()
             t0 = time.perf_counter()
             fn(x)
             t = torch.tensor([time.perf_counter() - t0])
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            times[name].append(t.item())
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            if rep:  # the first turn warms up
+                times[name].append(t.item())
+    return times
+
+
+def spread(samples) -> tuple:
+    """(median, lowest, highest) of repeated timings: what a page prints beside a median."""
+    return statistics.median(samples), min(samples), max(samples)
 
 
 def time_messages(sizes=(256 << 10, 1 << 20, 4 << 20), reps: int = 3) -> dict:
@@ -90,12 +100,13 @@ def nodes(ratios=(1, 4, 10, 16), sizes=(4 * MiB, 64 * MiB), intra_bps: float = 1
             timings = c.run(time_messages, echo=False)[0]
             intra, inter = cost.fit(timings["within"]), cost.fit(timings["across"])
             for nbytes in sizes:
-                measured = c.run(time_all_reduces, nbytes, reps, echo=False, timeout=1200)[0]
+                samples = c.run(time_all_reduces, nbytes, reps, echo=False, timeout=1200)[0]
+                measured = {way: statistics.median(ts) for way, ts in samples.items()}
                 predicted = {"flat ring": cost.flat_all_reduce(nbytes, 2, 2, intra, inter),
                              "hierarchical": cost.hierarchical_all_reduce(nbytes, 2, 2, intra, inter)}
                 predicted["gloo"] = predicted["flat ring"]  # gloo's all-reduce: a ring's bytes, a link between nodes
                 rows.append({"ratio": ratio, "bytes": nbytes, "measured": measured, "predicted": predicted,
-                             "intra": intra, "inter": inter})
+                             "samples": samples, "intra": intra, "inter": inter})
         c.run(_set_rates, intra_bps / stage_ratio, intra_bps, echo=False)
         variants = {"DDP": dict(stage=0), "ZeRO-3": dict(stage=3, reduce_scatter="ring"),
                     "HSDP": dict(stage=3, shard_group="node", reduce_scatter="ring"),
