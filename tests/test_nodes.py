@@ -75,10 +75,10 @@ def _first_message_seconds(src, dst, nbytes, made):
     """Seconds for the first message `src` sends to `dst` over connections made just now: the pool's
     own (made="at start"), a group made with dist.new_group, or a DeviceMesh's group. Nothing is
     asked of zeronb and nothing waits: the connection must be paced before its first byte."""
-    import time
-
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+
+    from zeronb.bench.nodes import message_seconds
 
     group = None
     if made == "new_group":
@@ -86,17 +86,8 @@ def _first_message_seconds(src, dst, nbytes, made):
     elif made == "mesh":
         mesh = init_device_mesh("cpu", (2, 2))   # dim 0: {0, 2} and {1, 3}, across; dim 1: {0, 1} and {2, 3}
         group = mesh.get_group(0 if src % 2 == dst % 2 else 1)
-    x = torch.zeros(nbytes // 4)
-    rank = dist.get_rank()
-    dist.barrier()   # over the world's connections: the new group's carry nothing before the send
-    t0 = time.perf_counter()
-    if rank == src:
-        dist.send(x, dst, group=group)
-    elif rank == dst:
-        dist.recv(x, src, group=group)
-    seconds = time.perf_counter() - t0
-    dist.barrier()
-    return seconds
+    # (its barrier runs on the world's connections: the new group's carry nothing before the send)
+    return message_seconds(torch.zeros(nbytes // 4), src, dst, group=group)
 
 
 def _at_rate(nbytes, seconds, rate) -> bool:

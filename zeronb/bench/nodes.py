@@ -48,31 +48,39 @@ def spread(samples) -> tuple:
     return statistics.median(samples), min(samples), max(samples)
 
 
-def time_messages(sizes=(256 << 10, 1 << 20, 4 << 20), reps: int = 3) -> dict:
-    """Inside a rank: [(bytes, seconds)] of single messages, one way, within a node (rank 0 to 1)
-    and across nodes (rank 1 to 2): the receiver's clock, from a barrier to the message's arrival,
-    median of `reps`. For cost.fit; every rank returns the same."""
+def message_seconds(x, src: int, dst: int, group=None) -> float:
+    """Inside a rank: seconds from the moment rank `src` starts sending `x` to the moment rank `dst`
+    has all of it. Both ends read the machine's monotonic clock, which all the ranks of a pool share
+    (they run on one machine): a clock started at a barrier would count the time one rank leaves
+    the barrier before the other. Every rank calls it; every rank gets the same."""
     import time
 
     import torch
     import torch.distributed as dist
 
+    rank, stamps = dist.get_rank(), torch.zeros(2, dtype=torch.float64)
+    dist.barrier()
+    if rank == src:
+        stamps[0] = time.perf_counter()
+        dist.send(x, dst, group=group)
+    elif rank == dst:
+        dist.recv(x, src, group=group)
+        stamps[1] = time.perf_counter()
+    dist.all_reduce(stamps, op=dist.ReduceOp.MAX)
+    return (stamps[1] - stamps[0]).item()
+
+
+def time_messages(sizes=(256 << 10, 1 << 20, 4 << 20), reps: int = 3) -> dict:
+    """Inside a rank: [(bytes, seconds)] of single messages, one way, within a node (rank 0 to 1)
+    and across nodes (rank 1 to 2) (`message_seconds`), median of `reps`. For cost.fit; every rank
+    returns the same."""
+    import torch
+
     out = {"within": [], "across": []}
-    rank = dist.get_rank()
     for nbytes in sizes:
         x = torch.ones(nbytes // 4)
         for name, (src, dst) in (("within", (0, 1)), ("across", (1, 2))):
-            ts = []
-            for _ in range(reps):
-                dist.barrier()
-                t0 = time.perf_counter()
-                if rank == src:
-                    dist.send(x, dst)
-                elif rank == dst:
-                    dist.recv(x, src)
-                t = torch.tensor([time.perf_counter() - t0 if rank == dst else 0.0])
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                ts.append(t.item())
+            ts = [message_seconds(x, src, dst) for _ in range(reps)]
             out[name].append((nbytes, statistics.median(ts)))
     return out
 

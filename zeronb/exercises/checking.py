@@ -43,8 +43,10 @@ def _pool(world_size):
     return start(world_size, verbose=False)
 
 
-def _run(pool, fn, *args, timeout=30):
-    """Run on the ranks; turn a crash or a hang into a verdict line instead of an exception."""
+def _run(pool, fn, *args, timeout=10):
+    """Run on the ranks; turn a crash or a hang into a verdict line instead of an exception. The
+    collectives' exercises move a few KiB, done in milliseconds even on a busy machine: 10 s without
+    an answer is a deadlock (the engines' exercises, which train, allow longer)."""
     try:
         return pool.run(fn, *args, timeout=timeout, echo=False), None
     except RankTimeout as e:
