@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Run every test: the unit and fault tests of zeronb, the real-kernel tests, the book build, and
-# every notebook as a test (nbval: the check cells' asserts are the test).
+# Run every test: the unit and fault tests of zeronb, the real-kernel tests, every notebook as a
+# test (nbval: the check cells' asserts are the test), and the book build with its page tests. Each
+# chapter runs once: the book is rendered from nbval's run of it (tests/nbrecord.py), and a chapter
+# that failed there is executed by the build itself.
 #   bash scripts/test.sh               all of it
 #   bash scripts/test.sh -k cluster    extra arguments go to pytest
 set -euo pipefail
