@@ -129,6 +129,18 @@ def surfaced(what: str, t0: float) -> float:
 
 
 def pytest_terminal_summary(terminalreporter):
+    # Tests that could not start because a fixture they share failed (a pool that did not come up, a
+    # build that broke) would each print the same traceback: name the cause once, with its count.
+    causes = {}
+    for report in terminalreporter.stats.get("error", []):
+        if report.when == "setup":
+            crash = getattr(report.longrepr, "reprcrash", None)
+            cause = crash.message if crash else str(report.longrepr).strip().splitlines()[-1]
+            causes.setdefault(cause, []).append(report.nodeid)
+    if causes:
+        terminalreporter.section("tests that could not start, by cause", red=True)
+        for cause, tests in causes.items():
+            terminalreporter.write_line(f"{len(tests)} test(s) could not start, the first {tests[0]}: {cause}")
     if FAULT_TIMES:
         terminalreporter.section("faults: time from the fault to the exception in the caller")
         for what, took in FAULT_TIMES:
