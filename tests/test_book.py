@@ -1,5 +1,7 @@
 """The rendered book builds from scratch with warnings as errors, running every chapter."""
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -155,3 +157,65 @@ def test_every_figure_is_numbered_and_captioned(built):
             figures += 1
     assert figures >= 30, f"only {figures} figures in the whole book?"
     assert not bad, "\n".join(bad[:20])
+
+
+# A small notebook made of what the chapters' outputs are made of: text, rich displays, a glued value,
+# widgets with an Output widget drawn into, stderr, and an error the page shows on purpose.
+_SMALL = [
+    ("print('hello from the kernel')", []),
+    ("from IPython.display import HTML, display\ndisplay(HTML('<b>a table</b>'))\n6 * 7", []),
+    ("from zeronb.glue import glue\nglue('answer', 42, display=False)", []),
+    ("import ipywidgets as w\nout = w.Output()\nwith out:\n    display(HTML('<i>drawn inside</i>'))\n"
+     "w.VBox([w.IntSlider(3), out])", []),
+    ("import sys\nprint('to stderr', file=sys.stderr)", []),
+    ("raise ValueError('shown on the page')", ["raises-exception"]),
+]
+_RECORD = """import sys, nbformat, pytest
+from nbrecord import NotebookRecorder
+recorder = NotebookRecorder()
+code = pytest.main(["-q", "-p", "no:cacheprovider", "--nbval-lax", "--nbval-current-env", sys.argv[1]],
+                   plugins=[recorder])
+(nb,) = recorder.executed().values()
+nbformat.write(nb, sys.argv[2])
+sys.exit(code)
+"""
+
+
+def _outputs(nb):
+    def one(o):
+        data = {k: v for k, v in o.get("data", {}).items() if "widget-view" not in k}  # model ids are random
+        return (o["output_type"], o.get("name"), o.get("text"), data, o.get("ename"), o.get("evalue"))
+    return [[one(o) for o in c.outputs] for c in nb.cells]
+
+
+def _widgets(nb):
+    import json
+
+    state = nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
+    return sorted((w["model_name"], json.dumps(w["state"].get("outputs"), sort_keys=True), w["state"].get("value"))
+                  for w in state.values())
+
+
+def test_nbvals_recorded_run_is_what_jupyter_would_have_saved(tmp_path):
+    """The suite's book is rendered from nbval's run of the chapters (tests/nbrecord.py): its
+    outputs, glued values and widget state must be those Jupyter's own execution saves (nbclient,
+    which myst-nb runs when the book executes a chapter itself)."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                           "language": "python"}})
+    nb.cells = [nbformat.v4.new_code_cell(src, metadata={"tags": tags}) for src, tags in _SMALL]
+    path = tmp_path / "small.ipynb"
+    nbformat.write(nb, path)
+    p = subprocess.run([sys.executable, "-c", _RECORD, str(path), str(tmp_path / "recorded.ipynb")],
+                       cwd=ROOT / "tests", capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    recorded = nbformat.read(tmp_path / "recorded.ipynb", 4)
+    executed = nbformat.read(path, 4)
+    NotebookClient(executed, allow_errors=True, resources={"metadata": {"path": str(tmp_path)}}).execute()
+
+    assert _outputs(recorded) == _outputs(executed)
+    assert _widgets(recorded) == _widgets(executed)
+    assert "<i>drawn inside</i>" in str(_widgets(recorded)) and "<i>drawn inside</i>" not in str(_outputs(recorded))
+    assert any("answer" in str(o.get("metadata")) for o in recorded.cells[2].outputs)   # the glued value

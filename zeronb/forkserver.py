@@ -325,7 +325,10 @@ def serve(fd: int) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the notebook stops us: by closing the socket
     status_fds: dict[int, int] = {}
-    _send(sock, ("ready", os.getpid()))
+    try:
+        _send(sock, ("ready", os.getpid()))
+    except OSError:  # the process that started us has gone already (a kernel that ran one cell): nothing to serve
+        return
 
     while True:
         readable, _, _ = select.select([sock, wake_r], [], [])
