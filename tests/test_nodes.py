@@ -140,13 +140,14 @@ def test_chapter_13s_timing_checks_fail_on_the_bugs_they_guard():
     from statistics import median
 
     from zeronb import cost
-    from zeronb.bench.nodes import time_all_reduces, time_messages
+    from zeronb.bench.nodes import message_sizes, time_all_reduces, time_messages
     from zeronb.nodes import set_link_rates
 
     S = 2 << 20
     with Cluster(4, backend="gloo", nodes=2, intra_node_bandwidth="100MB/s", inter_node_bandwidth="10MB/s",
                  verbose=False) as c:
-        links = c.run(time_messages, (256 << 10, 1 << 20, 2 << 20), 3, echo=False)[0]
+        links = c.run(time_messages, {"within": message_sizes(100 * MB), "across": message_sizes(10 * MB)}, 3,
+                      echo=False)[0]
         intra, inter = cost.fit(links["within"]), cost.fit(links["across"])
         model = {"flat ring": cost.flat_all_reduce(S, 2, 2, intra, inter),
                  "hierarchical": cost.hierarchical_all_reduce(S, 2, 2, intra, inter)}

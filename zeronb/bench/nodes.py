@@ -70,18 +70,28 @@ def message_seconds(x, src: int, dst: int, group=None) -> float:
     return (stamps[1] - stamps[0]).item()
 
 
+def message_sizes(bps: float, seconds=(0.025, 0.1, 0.2)) -> tuple:
+    """Bytes of messages that take these many seconds at `bps` (whole float32 elements): long enough
+    for the kernel's pacing to set their time, where a busy machine adds milliseconds."""
+    return tuple(int(bps * s) // 4 * 4 for s in seconds)
+
+
 def time_messages(sizes=(256 << 10, 1 << 20, 4 << 20), reps: int = 3) -> dict:
-    """Inside a rank: [(bytes, seconds)] of single messages, one way, within a node (rank 0 to 1)
-    and across nodes (rank 1 to 2) (`message_seconds`), median of `reps`. For cost.fit; every rank
-    returns the same."""
+    """Inside a rank: {link: [(bytes, seconds)]} of single messages, one way, within a node (rank 0
+    to 1) and across nodes (rank 1 to 2) (`message_seconds`), median of `reps`. `sizes`: the same for
+    both links, or {link: sizes} (one link only, or sizes fitted to each link's speed). For cost.fit;
+    every rank returns the same."""
     import torch
 
-    out = {"within": [], "across": []}
-    for nbytes in sizes:
-        x = torch.ones(nbytes // 4)
-        for name, (src, dst) in (("within", (0, 1)), ("across", (1, 2))):
-            ts = [message_seconds(x, src, dst) for _ in range(reps)]
-            out[name].append((nbytes, statistics.median(ts)))
+    pairs = {"within": (0, 1), "across": (1, 2)}
+    per_link = sizes if isinstance(sizes, dict) else {link: sizes for link in pairs}
+    out = {}
+    for link, link_sizes in per_link.items():
+        src, dst = pairs[link]
+        out[link] = []
+        for nbytes in link_sizes:
+            x = torch.ones(nbytes // 4)
+            out[link].append((nbytes, statistics.median(message_seconds(x, src, dst) for _ in range(reps))))
     return out
 
 
@@ -105,7 +115,8 @@ def nodes(ratios=(1, 4, 10, 16), sizes=(4 * MiB, 64 * MiB), intra_bps: float = 1
         for ratio in ratios:
             c.run(_set_rates, intra_bps / ratio, intra_bps, echo=False)
             ratio = int(ratio) if ratio == int(ratio) else ratio
-            timings = c.run(time_messages, echo=False)[0]
+            timings = c.run(time_messages, {"within": message_sizes(intra_bps),
+                                             "across": message_sizes(intra_bps / ratio)}, echo=False)[0]
             intra, inter = cost.fit(timings["within"]), cost.fit(timings["across"])
             for nbytes in sizes:
                 samples = c.run(time_all_reduces, nbytes, reps, echo=False, timeout=1200)[0]
