@@ -90,10 +90,15 @@ def _first_message_seconds(src, dst, nbytes, made):
     return message_seconds(torch.zeros(nbytes // 4), src, dst, group=group)
 
 
+EXEMPT = 10 * 65536   # the kernel paces no TCP connection's first ten segments (loopback's: up to 64 KiB)
+
+
 def _at_rate(nbytes, seconds, rate) -> bool:
-    """The check: the message went at the rate asked for, within 10%. A paced transfer of a few
-    hundred ms is the kernel's timing; what the CPU adds is milliseconds."""
-    return abs(nbytes / seconds / rate - 1) < 0.1
+    """The check: the message went at the rate asked for, within 10%, but for the segments the
+    kernel lets out unpaced at a connection's start (tcp_update_skb_after_send: "Original sch_fq
+    does not pace first 10 MSS"). A paced transfer of hundreds of ms is the kernel's timing; what
+    the CPU adds is milliseconds."""
+    return 0.9 * (nbytes - EXEMPT) / rate <= seconds <= 1.1 * nbytes / rate
 
 
 @pytest.mark.parametrize("made", ["at start", "new_group", "mesh"])

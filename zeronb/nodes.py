@@ -21,7 +21,9 @@ peer address is some rank's local address. `Links` does this when the pool start
 torch makes a process group in the rank (`new_group`, a DeviceMesh: compat.after_new_group), before
 the group is handed back, waiting for the peers' entries: a connection is paced before it carries
 its first byte, whoever made the group. A background thread looks again every 50 ms, for
-connections opened any other way.
+connections opened any other way. The kernel itself lets the first ten segments of every TCP
+connection out unpaced (as the fq scheduler does; `tcp_update_skb_after_send`): up to 640 KiB on
+loopback, whose segments are up to 64 KiB. Timings that matter run an untimed round first.
 """
 from __future__ import annotations
 
