@@ -36,7 +36,7 @@ def pytest_counts(out: str) -> str:
 def main(argv=None) -> int:
     import argparse
 
-    from zeronb.backend import choose_backend, cuda_device_count
+    from zeronb.runtime.backend import choose_backend, cuda_device_count
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="doctor,tests,chapters,train",
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if "train" not in parts:
             return _table(rows)
-        from zeronb.parity import max_diff
+        from zeronb.train.parity import max_diff
 
         for optimizer in ("adam", "sgd"):
             common = ["--model", "gpt", "--dtype", "float64", "--steps", "3", "--optimizer", optimizer]

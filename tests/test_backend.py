@@ -3,7 +3,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zeronb import Cluster, backend
+from zeronb import Cluster
+from zeronb.runtime import backend
 
 
 def test_auto_picks_gloo_without_enough_gpus():
@@ -24,7 +25,7 @@ def test_rank_device():
 
 
 def _single_collectives(numel):
-    from zeronb.compat import all_gather_single, reduce_scatter_single
+    from zeronb.runtime.compat import all_gather_single, reduce_scatter_single
 
     r, n = dist.get_rank(), dist.get_world_size()
     shard = torch.arange(numel, dtype=torch.float64) + 100 * r
@@ -52,7 +53,7 @@ def test_the_store_listens_on_loopback_only():
 
     import psutil
 
-    from zeronb.launch import loopback_store
+    from zeronb.pool.launch import loopback_store
 
     store = loopback_store(2, timedelta(seconds=5))
     mine = [c for c in psutil.Process().net_connections("inet")
@@ -66,7 +67,7 @@ def _written_once():
     import threading
 
     import zeronb
-    from zeronb.backend import backend_for
+    from zeronb.runtime.backend import backend_for
 
     count = torch.tensor([1], dtype=torch.int64)
     grad = torch.full((8,), float(dist.get_rank()), device=zeronb.device())

@@ -40,7 +40,7 @@ def test_a_chapter_opened_alone_installs_zeronb_from_the_configured_place_and_ne
 
 
 def test_every_table_a_chapter_builds_is_displayed():
-    """zeronb.display.table returns an HTML object: Jupyter shows it only as a cell's last expression,
+    """zeronb.book.display.table returns an HTML object: Jupyter shows it only as a cell's last expression,
     so one built anywhere else must go through display() or it vanishes from the page."""
     import ast
     import json
@@ -62,7 +62,7 @@ def test_every_table_a_chapter_builds_is_displayed():
 
 
 def test_glue_without_myst_nb_shows_the_value_or_nothing(monkeypatch, capsys):
-    from zeronb import glue as glue_module
+    from zeronb.book import glue as glue_module
 
     monkeypatch.setattr(glue_module, "_myst_glue", None)
     glue_module.glue("x", 42, display=False)
@@ -164,7 +164,7 @@ def test_every_figure_is_numbered_and_captioned(built):
 _SMALL = [
     ("print('hello from the kernel')", []),
     ("from IPython.display import HTML, display\ndisplay(HTML('<b>a table</b>'))\n6 * 7", []),
-    ("from zeronb.glue import glue\nglue('answer', 42, display=False)", []),
+    ("from zeronb.book.glue import glue\nglue('answer', 42, display=False)", []),
     ("import ipywidgets as w\nout = w.Output()\nwith out:\n    display(HTML('<i>drawn inside</i>'))\n"
      "w.VBox([w.IntSlider(3), out])", []),
     ("import sys\nprint('to stderr', file=sys.stderr)", []),

@@ -1,4 +1,4 @@
-"""zeronb.calculator: the numbers against hand-derived values, the errors, and the widget driven by hand."""
+"""zeronb.book.calculator: the numbers against hand-derived values, the errors, and the widget driven by hand."""
 import matplotlib
 
 matplotlib.use("Agg")  # no display: draw into memory
@@ -6,8 +6,7 @@ matplotlib.use("Agg")  # no display: draw into memory
 import pytest  # noqa: E402
 
 from zeronb import memory  # noqa: E402
-from zeronb.calculator import (OPTIMIZERS, bytes_per_param, calculate, describe, memory_calculator,  # noqa: E402
-                               parse_num_params, plot)
+from zeronb.book.calculator import OPTIMIZERS, bytes_per_param, calculate, describe, memory_calculator, parse_num_params, plot
 
 
 def test_paper_example_stage3():

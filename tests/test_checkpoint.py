@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from zeronb import checkpoint
-from zeronb.runs import RunConfig
-from zeronb.train import max_diff, parse_args, run, train_single
+from zeronb.train import RunConfig, max_diff, run, train_single
+from zeronb.train.cli import parse_args
 
 GPT = dict(model="gpt", dtype="float64")
 

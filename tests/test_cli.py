@@ -32,12 +32,12 @@ def test_bench_dispatch_prints_its_table():
 
 
 def test_every_path_of_the_train_cli_reports_the_same_fields(tmp_path):
-    from zeronb import train
+    from zeronb.train.cli import main
 
     reports = {}
     for name, argv in {"one process": ["--nproc", "1", "--stage", "0"],
                        "stage 2 pool": ["--nproc", "2", "--stage", "2", "--grad-accum", "2", "--clip", "1"]}.items():
-        assert train.main([*argv, "--steps", "2", "--report", str(tmp_path / "r.json")]) == 0
+        assert main([*argv, "--steps", "2", "--report", str(tmp_path / "r.json")]) == 0
         reports[name] = json.load(open(tmp_path / "r.json"))
     one, pool = reports["one process"], reports["stage 2 pool"]
     assert set(one) == set(pool) and set(one["ranks"][0]) == set(pool["ranks"][0])
@@ -73,16 +73,17 @@ def test_sgd_on_four_ranks_equals_one_process_for_every_stage_and_impl(tmp_path)
     `--nproc 1 --stage 0 --optimizer sgd`, the files the command line saves compared."""
     import torch
 
-    from zeronb import train
+    from zeronb.train import max_diff
+    from zeronb.train.cli import main
 
     common = ["--optimizer", "sgd", "--model", "gpt", "--dtype", "float64"]
-    assert train.main([*common, "--nproc", "1", "--stage", "0", "--save-params", str(tmp_path / "one.pt")]) == 0
+    assert main([*common, "--nproc", "1", "--stage", "0", "--save-params", str(tmp_path / "one.pt")]) == 0
     one = torch.load(tmp_path / "one.pt")
     for stage in range(4):
         for impl in ("zeronb", "torch"):
             out = tmp_path / f"{stage}{impl}.pt"
-            assert train.main([*common, "--nproc", "4", "--stage", str(stage), "--impl", impl, "--save-params", str(out)]) == 0
-            assert train.max_diff(torch.load(out), one) <= 1e-10, (stage, impl)
+            assert main([*common, "--nproc", "4", "--stage", str(stage), "--impl", impl, "--save-params", str(out)]) == 0
+            assert max_diff(torch.load(out), one) <= 1e-10, (stage, impl)
 
 
 def test_the_train_cli_runs_on_paced_nodes_and_reports_bytes_by_node(tmp_path):

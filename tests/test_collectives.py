@@ -10,7 +10,7 @@ DTYPES = (torch.float32, torch.float64)
 
 def _parity(sizes, dtypes, segment_bytes):
     from zeronb import collectives as C
-    from zeronb.compat import all_gather_single
+    from zeronb.runtime.compat import all_gather_single
     from zeronb.shards import bounds, chunk_size
 
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -67,8 +67,9 @@ def test_parity_with_torch_distributed(gloo_pool, n):
 
 def _scratch_kept():
     from zeronb import collectives as C
+    from zeronb.collectives import ring
 
-    C._kept.clear()  # (the shared pool ran larger collectives before: start from no scratch)
+    ring._kept.clear()  # (the shared pool ran larger collectives before: start from no scratch)
     rank, n = dist.get_rank(), dist.get_world_size()
     sums = []
     for numel in (4096, 4096, 1024, 40_000, 4096):  # the same size again, smaller, then larger
@@ -77,10 +78,10 @@ def _scratch_kept():
         shard = C.ring_reduce_scatter(torch.full((numel,), float(rank + 1)), segment_bytes=4096)
         sums.append(shard.unique().tolist())
         if numel == 4096 and len(sums) == 2:
-            first = C._kept[torch.float32].data_ptr()
+            first = ring._kept[torch.float32].data_ptr()
         if len(sums) == 4:
-            reused = C._kept[torch.float32].data_ptr() == first
-    return sums, reused, C._kept[torch.float32].numel() == 4 * 40_000 // n
+            reused = ring._kept[torch.float32].data_ptr() == first
+    return sums, reused, ring._kept[torch.float32].numel() == 4 * 40_000 // n
 
 
 def test_ring_scratch_is_kept_between_calls_and_grows_when_needed(gloo_pool):
@@ -95,8 +96,8 @@ def test_ring_scratch_is_kept_between_calls_and_grows_when_needed(gloo_pool):
 def _in_groups(numel):
     """Rings over the pairs {0, 1} and {2, 3} of 4 ranks, against torch's collectives over the same pairs."""
     from zeronb import collectives as C
-    from zeronb.compat import reduce_scatter_single
-    from zeronb.zero import sharding_groups
+    from zeronb.runtime.compat import reduce_scatter_single
+    from zeronb.runtime.groups import sharding_groups
 
     pair, _ = sharding_groups(2)
     x = torch.randn(numel, generator=torch.Generator().manual_seed(dist.get_rank()), dtype=torch.float64)
@@ -130,7 +131,7 @@ def test_bfloat16(gloo_pool):
 
 def _ledger_bytes(numel, dtype):
     from zeronb import collectives as C
-    from zeronb.compat import all_gather_single, reduce_scatter_single
+    from zeronb.runtime.compat import all_gather_single, reduce_scatter_single
     from zeronb.ledger import CommLedger
     from zeronb.shards import bounds
 

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 import zeronb
-from zeronb import exercises
+from zeronb.book import exercises
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -15,7 +15,7 @@ def pool():
 
 
 def good_all_reduce(t):
-    from zeronb.compat import all_gather_single, reduce_scatter_single
+    from zeronb.runtime.compat import all_gather_single, reduce_scatter_single
 
     shard = t.new_empty(t.numel() // dist.get_world_size())
     reduce_scatter_single(shard, t)
@@ -25,7 +25,7 @@ def good_all_reduce(t):
 
 
 def forgot_the_gather(t):  # returns the reduced shard in place of the whole tensor
-    from zeronb.compat import reduce_scatter_single
+    from zeronb.runtime.compat import reduce_scatter_single
 
     out = t.clone()
     shard = t.new_empty(t.numel() // dist.get_world_size())
@@ -58,7 +58,7 @@ def ring_all_gather(shard, numel):
 
 
 def gather_with_the_collective(shard, numel):  # right result, but not a ring of sends
-    from zeronb.compat import all_gather_single
+    from zeronb.runtime.compat import all_gather_single
 
     out = shard.new_empty(numel)
     all_gather_single(out, shard)
@@ -93,7 +93,7 @@ def test_ring_all_gather_checker():
 
 
 def zero1_step(params, grads, lr):
-    from zeronb.compat import all_gather_single, reduce_scatter_single
+    from zeronb.runtime.compat import all_gather_single, reduce_scatter_single
 
     n, r = dist.get_world_size(), dist.get_rank()
     shard = params.new_empty(params.numel() // n)
@@ -106,7 +106,7 @@ def zero1_step(params, grads, lr):
 
 
 def zero1_no_average(params, grads, lr):
-    from zeronb.compat import all_gather_single, reduce_scatter_single
+    from zeronb.runtime.compat import all_gather_single, reduce_scatter_single
 
     n, r = dist.get_world_size(), dist.get_rank()
     shard = params.new_empty(params.numel() // n)
@@ -196,7 +196,7 @@ def test_bucketed_ddp_checker():
 
 def zero2_hooks(add=True, free=True):
     def my_zero2_hooks(buckets, grad_shards):
-        from zeronb.compat import reduce_scatter_single
+        from zeronb.runtime.compat import reduce_scatter_single
 
         pending = [set(b.params) for b in buckets]
         owner = {p: i for i, b in enumerate(buckets) for p in b.params}
@@ -234,7 +234,7 @@ def test_zero2_hooks_checker():
 
 def zero3_unit(free_after_forward=True, average=False):
     def my_zero3_unit(unit, flat, shard, grad_shard):
-        from zeronb.compat import all_gather_single, reduce_scatter_single
+        from zeronb.runtime.compat import all_gather_single, reduce_scatter_single
 
         nbytes, storage, pending = flat.padded * flat.data.element_size(), flat.data.untyped_storage(), set()
 
@@ -282,7 +282,7 @@ def test_zero3_unit_checker():
 
 def accumulate_and_clip(scope="global", mean=True, gather=False):
     def my_accumulate_and_clip(micro_grads, max_norm):
-        from zeronb.compat import all_gather_single, reduce_scatter_single
+        from zeronb.runtime.compat import all_gather_single, reduce_scatter_single
 
         n, k = dist.get_world_size(), len(micro_grads)
         shard = micro_grads[0].new_zeros(micro_grads[0].numel() // n)
@@ -322,8 +322,8 @@ def test_accumulate_and_clip_checker():
 # --- chapter 13: two nodes of two ranks; bytes across nodes counted by the OS ----------------------
 
 def hierarchical_all_reduce(t):
-    from zeronb.compat import all_gather_single, reduce_scatter_single
-    from zeronb.nodes import node_groups
+    from zeronb.runtime.compat import all_gather_single, reduce_scatter_single
+    from zeronb.runtime.groups import node_groups
 
     within, across = node_groups()
     shard = t.new_empty(t.numel() // dist.get_world_size(within))
@@ -334,7 +334,7 @@ def hierarchical_all_reduce(t):
 
 
 def whole_tensor_across(t):  # the right sum, but the whole tensor crosses the slow link
-    from zeronb.nodes import node_groups
+    from zeronb.runtime.groups import node_groups
 
     within, across = node_groups()
     dist.all_reduce(t, group=within)
@@ -350,8 +350,8 @@ def test_hierarchical_all_reduce_checker():
     assert not v.ok and str(v).count("bytes across nodes;") == 2  # gloo's flat ring: two of its four edges cross
 
     def skip_the_gather(t):
-        from zeronb.compat import reduce_scatter_single
-        from zeronb.nodes import node_groups
+        from zeronb.runtime.compat import reduce_scatter_single
+        from zeronb.runtime.groups import node_groups
 
         within, across = node_groups()
         shard = t.new_empty(t.numel() // 2)
@@ -364,8 +364,8 @@ def test_hierarchical_all_reduce_checker():
 
 
 def hsdp_gradient(grad):
-    from zeronb.compat import reduce_scatter_single
-    from zeronb.nodes import node_groups
+    from zeronb.runtime.compat import reduce_scatter_single
+    from zeronb.runtime.groups import node_groups
 
     within, across = node_groups()
     shard = grad.new_empty(grad.numel() // dist.get_world_size(within))
@@ -378,7 +378,7 @@ def test_hsdp_gradient_checker():
     assert exercises.check_hsdp_gradient(hsdp_gradient).ok
 
     def average_within_only(grad):
-        from zeronb.nodes import node_groups
+        from zeronb.runtime.groups import node_groups
 
         return hsdp_gradient(grad) * dist.get_world_size() / dist.get_world_size(node_groups()[0])
 

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from conftest import running, surfaced
-from zeronb import Cluster, RankError, RankTimeout, forkserver
+from zeronb import Cluster, RankError, RankTimeout
+from zeronb.pool import forkserver
 
 
 @pytest.fixture
@@ -246,7 +247,7 @@ def test_fifty_start_shutdown_cycles_leak_nothing():
 
 def test_a_wrong_key_is_refused_and_the_pool_starts_anyway(monkeypatch):
     """While the pool accepts its ranks, a connection with a wrong key comes in: refused."""
-    from zeronb import launch
+    from zeronb.pool import launch
 
     rogue_result, real_accept = [], launch.accept
 
@@ -284,7 +285,7 @@ def test_control_channel_is_closed_once_the_ranks_are_in():
 def _mixed(i):
     """One of four kinds of communication, on the rank's device (test_gpu.py soaks NCCL with it)."""
     from zeronb import device
-    from zeronb.compat import all_gather_single
+    from zeronb.runtime.compat import all_gather_single
     from zeronb.collectives import ring_all_reduce
 
     t = torch.full((256,), float(i), device=device())

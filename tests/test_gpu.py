@@ -35,7 +35,7 @@ def _where_am_i():
     import threading
 
     from zeronb import device
-    from zeronb.backend import backend_for
+    from zeronb.runtime.backend import backend_for
 
     t = torch.full((4,), float(dist.get_rank() + 1), device=device())
     dist.all_reduce(t)
@@ -48,7 +48,7 @@ def _where_am_i():
 
 
 def test_auto_picks_nccl_one_gpu_per_rank_with_a_group_per_device(pool):
-    assert pool.backend == "nccl" and zeronb.backend.choose_backend(N)[0] == "nccl"
+    assert pool.backend == "nccl" and zeronb.runtime.backend.choose_backend(N)[0] == "nccl"
     for r, (backend, cpu, cuda, dev, dev_other_thread, current, t) in enumerate(pool.run(_where_am_i, echo=False)):
         assert backend == "cpu:gloo,cuda:nccl" and (cpu, cuda) == ("gloo", "nccl")
         assert dev == dev_other_thread == f"cuda:{r}" and current == r
@@ -99,15 +99,16 @@ def test_ring_collectives_on_cuda(pool, numel):
 
 @pytest.mark.parametrize("stage,impl", [(s, i) for s in range(4) for i in ("zeronb", "torch")])
 def test_train_cli_on_cuda_matches_one_process_and_reports_cuda_memory(stage, impl, tmp_path):
-    from zeronb import train
+    from zeronb.train import max_diff
+    from zeronb.train.cli import main
 
     common = ["--model", "gpt", "--dtype", "float64", "--steps", "3"]
-    assert train.main(["--nproc", "1", "--stage", "0", *common, "--report", str(tmp_path / "ref.json"),
+    assert main(["--nproc", "1", "--stage", "0", *common, "--report", str(tmp_path / "ref.json"),
                        "--save-params", str(tmp_path / "ref.pt")]) == 0
-    assert train.main(["--nproc", str(N), "--stage", str(stage), "--impl", impl, *common,
+    assert main(["--nproc", str(N), "--stage", str(stage), "--impl", impl, *common,
                        "--report", str(tmp_path / "r.json"), "--save-params", str(tmp_path / "p.pt")]) == 0
     ref, got = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "p.pt")
-    assert train.max_diff(got, ref) <= 1e-10, (stage, impl)
+    assert max_diff(got, ref) <= 1e-10, (stage, impl)
     for path, ranks in (("ref.json", 1), ("r.json", N)):
         report = json.load(open(tmp_path / path))
         assert [r["device"] for r in report["ranks"]] == [f"cuda:{r}" for r in range(ranks)]
@@ -119,8 +120,7 @@ def test_train_cli_on_cuda_matches_one_process_and_reports_cuda_memory(stage, im
 @pytest.mark.parametrize("stage,impl", [(s, i) for s in range(4) for i in ("zeronb", "torch")])
 def test_sgd_and_the_gradients_on_cuda_match_one_process(stage, impl):
     """Parity that would see a gradient scaled by a constant: plain SGD, and the averaged gradients."""
-    from zeronb.runs import RunConfig
-    from zeronb.train import grad_diff, max_diff, run, train_single
+    from zeronb.train import RunConfig, grad_diff, max_diff, run, train_single
 
     config = RunConfig(model="gpt", dtype="float64", steps=3, optimizer="sgd")
     ref = train_single(config)
@@ -133,8 +133,7 @@ def test_sgd_and_the_gradients_on_cuda_match_one_process(stage, impl):
 def test_training_in_practice_on_cuda_matches_one_process(stage, impl):
     """Accumulation (both choices), clipping and activation checkpointing on NCCL ranks: the
     parameters of one CUDA process on the whole batch; bf16 reduction costs precision, within 1e-2."""
-    from zeronb.runs import RunConfig
-    from zeronb.train import max_diff, run, train_single
+    from zeronb.train import RunConfig, max_diff, run, train_single
 
     common = RunConfig(model="gpt", dtype="float64", steps=3)
     ref = train_single(common.replace(clip=0.05))
@@ -158,7 +157,7 @@ def _zero3_timeline(prefetch):
     kernels queue up), the last of three steps watched by a Timeline - CUDA events, no synchronize."""
     import zeronb
     from zeronb.models import Config, local_batch, make_model
-    from zeronb.observe import Timeline
+    from zeronb.zero.observe import Timeline
     from zeronb.zero import StageConfig, ZeRO3
 
     cfg = Config(kind="gpt", vocab=4096, d_model=1024, n_head=16, n_layer=4, seq_len=256, global_batch=8 * dist.get_world_size())
@@ -193,7 +192,7 @@ def test_zero3_prefetch_overlaps_the_next_gather_with_this_units_computation_on_
 
 def test_exercise_checkers_on_nccl():
     from test_exercises import forgot_the_gather, good_all_reduce, ring_all_gather, zero1_step
-    from zeronb import exercises
+    from zeronb.book import exercises
 
     try:
         assert exercises.check_all_reduce(good_all_reduce, world_size=N).ok

@@ -102,7 +102,7 @@ def test_ranks_exit_when_the_kernel_dies(kernel):
 
 def test_importing_zeronb_in_a_kernel_starts_the_helper_which_dies_with_the_kernel(kernel):
     km, kc = kernel
-    status, out, _ = execute(kc, "import zeronb\nfrom zeronb import forkserver\n"
+    status, out, _ = execute(kc, "import zeronb\nfrom zeronb.pool import forkserver\n"
                                  "h = forkserver._helper\nh.wait_ready()\nprint(h.pid)")
     assert status == "ok", out  # forkserver._helper is None unless the import started it
     helper = int(out)

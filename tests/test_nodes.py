@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from zeronb import Cluster
-from zeronb.nodes import Topology, parse_rate
-from zeronb.runs import RunConfig
-from zeronb.train import grad_diff, max_diff, run_many, train_single
+from zeronb.runtime.topology import Topology, parse_rate
+from zeronb.train import RunConfig, grad_diff, max_diff, run_many, train_single
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pacing and TCP_INFO are Linux's")
 
@@ -113,7 +112,7 @@ def test_links_run_at_the_rates_asked_for_from_their_first_byte(made):
 def test_the_rate_check_fails_on_a_link_left_unpaced():
     """The bug the check above guards against: a connection that carries data before it is paced
     (as a group's did when only the 50 ms background thread paced new connections)."""
-    from zeronb.nodes import set_link_rates
+    from zeronb.runtime.links import set_link_rates
 
     with Cluster(4, backend="gloo", nodes=2, inter_node_bandwidth="20MB/s", verbose=False) as c:
         c.run(set_link_rates, None, None, echo=False)   # every link unpaced
@@ -146,7 +145,7 @@ def test_chapter_13s_timing_checks_fail_on_the_bugs_they_guard():
 
     from zeronb import cost
     from zeronb.bench.nodes import message_sizes, time_all_reduces, time_messages
-    from zeronb.nodes import set_link_rates
+    from zeronb.runtime.links import set_link_rates
 
     S = 2 << 20
     with Cluster(4, backend="gloo", nodes=2, intra_node_bandwidth="100MB/s", inter_node_bandwidth="10MB/s",

@@ -1,33 +1,75 @@
-"""The shape of the package a learner opens: no import cycle between zeronb's modules (counting
-imports inside functions too), the version shims in a module that imports nothing from zeronb, and
-the pool's class short enough to read in one sitting."""
+"""The shape of the package a learner opens: its folders are its layers, and imports go one way.
+
+Layers, lowest first (each folder's __init__ says what it is and what it may import):
+
+    runtime    torch-version shims, backend and device, topology, sockets, links, process groups
+    pool       the rank processes a notebook drives (zeronb.start / run / %%ranks)
+    lessons    the modules at the top level: shards, collectives, ledger, cost, precision, memory, models, checkpoint
+    zero       the stages (zeronb's and PyTorch's) and what watches them
+    train      RunConfig -> a run on a pool or under torchrun, and its report
+    book, bench  the chapters' helpers and exercises; the benchmarks
+
+The import graph is read from the source with `ast`: every import, inside functions too, and
+`from .pkg import name` counts as an import of the submodule of pkg that defines `name`.
+"""
 import ast
 import pathlib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "zeronb"
+LAYERS = ("runtime", "pool", "lessons", "zero", "train", "book", "bench")
 
 
-def _module_name(path: pathlib.Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports() -> dict:
-    """{module: set of zeronb modules it imports, anywhere in the file}."""
-    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+def _parse(package: pathlib.Path) -> dict:
+    """{module name: (path, ast)} for every .py file under `package`."""
+    root = package.parent
+    return {_module_name(p, root): (p, ast.parse(p.read_text())) for p in package.rglob("*.py")}
+
+
+def _absolute(node: ast.ImportFrom, module: str, path: pathlib.Path) -> str:
+    if not node.level:
+        return node.module or ""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+    return ".".join(anchor + ([node.module] if node.module else []))
+
+
+def _defining(modules: dict, module: str, name: str, seen=()) -> str:
+    """The module that defines `name` as `module` exposes it: a package's re-export is followed to
+    the submodule it comes from."""
+    if f"{module}.{name}" in modules:  # a submodule
+        return f"{module}.{name}"
+    path, tree = modules[module]
+    for node in tree.body:  # module level: where the name is bound
+        if isinstance(node, ast.ImportFrom) and module not in seen:
+            for alias in node.names:
+                if (alias.asname or alias.name) == name:
+                    source = _absolute(node, module, path)
+                    if source in modules:
+                        return _defining(modules, source, alias.name, seen + (module,))
+    return module
+
+
+def imports(package: pathlib.Path = PACKAGE) -> dict:
+    """{module: set of the package's modules it imports, anywhere in the file}."""
+    modules = _parse(package)
+    top = package.name
     graph = {}
-    for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for name, (path, tree) in modules.items():
         found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
-                    base = ".".join(anchor + ([base] if base else []))
-                for alias in node.names:  # `from . import x` may import a submodule x
-                    found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+                base = _absolute(node, name, path)
+                if base == top or base.startswith(top + "."):
+                    for alias in node.names:
+                        found.add(_defining(modules, base, alias.name) if base in modules else base)
             elif isinstance(node, ast.Import):
                 found.update(a.name for a in node.names)
         graph[name] = {m for m in found if m in modules and m != name}
@@ -60,16 +102,67 @@ def _cycle(graph):
     return None
 
 
-def _packages_of(graph):
-    """Imports of a package's own submodules by its __init__ (re-exports) are not cycles of concepts:
-    leave out the edges from a package to its children."""
-    return {m: {n for n in deps if not n.startswith(m + ".")} for m, deps in graph.items()}
+def layer(module: str):
+    """The layer of a zeronb module; None for the package's root (__init__, __main__: commands)."""
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] == "__main__":
+        return None
+    return parts[1] if parts[1] in LAYERS else "lessons"
+
+
+def upward_imports(graph) -> list:
+    """(module, imported module) pairs where a lower layer imports a higher one."""
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    rank["bench"] = rank["book"]  # side by side at the top: neither imports the other
+    out = []
+    for m, deps in graph.items():
+        for d in deps:
+            if layer(m) is None or layer(d) is None:
+                continue
+            if rank[layer(d)] > rank[layer(m)] or (rank[layer(d)] == rank[layer(m)] and layer(d) != layer(m)):
+                out.append((m, d))
+    return sorted(out)
 
 
 def test_no_import_cycle_between_zeronbs_modules():
-    graph = _packages_of(_imports())
-    assert graph["zeronb.backend"] and graph["zeronb.collectives"], graph  # (the graph is not empty)
+    graph = imports()
+    assert "zeronb.runtime.groups" in graph["zeronb.collectives.hierarchical"] | graph["zeronb.zero.zeropp"], graph
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_no_layer_imports_a_higher_one():
+    assert upward_imports(imports()) == []
+
+
+def _plant(tmp_path, files: dict) -> pathlib.Path:
+    package = tmp_path / "pkg"
+    for name, text in files.items():
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).write_text(text)
+    return package
+
+
+def test_the_graph_sees_a_cycle_made_by_a_function_local_import(tmp_path):
+    package = _plant(tmp_path, {"__init__.py": "", "low.py": "def f():\n    from .high import g\n    return g()\n",
+                                "high.py": "from .low import f\n\ndef g():\n    return 1\n"})
+    assert _cycle(imports(package)) in (["pkg.high", "pkg.low", "pkg.high"], ["pkg.low", "pkg.high", "pkg.low"])
+
+
+def test_the_graph_follows_a_packages_reexport_to_the_submodule(tmp_path):
+    # the shape of the circle issue 25 found: low -> (pkg.zero re-exports) zero.stages -> low
+    package = _plant(tmp_path, {"__init__.py": "", "low.py": "def f():\n    from .zero import groups\n",
+                                "zero/__init__.py": "from .config import groups\n",
+                                "zero/config.py": "from ..low import f\n\ndef groups():\n    pass\n"})
+    graph = imports(package)
+    assert "pkg.zero.config" in graph["pkg.low"]
+    assert _cycle(graph) is not None
+
+
+def test_the_direction_test_fails_on_a_lower_layer_importing_a_higher_one(tmp_path):
+    package = _plant(tmp_path, {"__init__.py": "", "runtime/__init__.py": "",
+                                "runtime/groups.py": "def f():\n    from ..zero import stage\n",
+                                "zero/__init__.py": "", "zero/stage.py": "from ..runtime import groups\n"})
+    assert upward_imports(imports(package)) == [("pkg.runtime.groups", "pkg.zero.stage")]
 
 
 def test_the_cycle_finder_finds_a_cycle():
@@ -77,11 +170,22 @@ def test_the_cycle_finder_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": set()}) is None
 
 
+def test_every_layer_says_what_it_is_and_what_it_may_import():
+    for folder in [p for p in PACKAGE.iterdir() if (p / "__init__.py").exists()]:
+        doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))
+        assert doc and "import" in doc, f"{folder.name}/__init__.py: say what the layer is and what it may import"
+
+
 def test_the_version_shims_import_nothing_from_zeronb():
-    assert _imports()["zeronb.compat"] == set()
+    assert imports()["zeronb.runtime.compat"] == set()
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_is_longer_than_420_lines(path):
+    assert len(path.read_text().splitlines()) <= 420
 
 
 def test_the_pool_class_reads_in_one_sitting():
-    tree = ast.parse((PACKAGE / "cluster.py").read_text())
+    tree = ast.parse((PACKAGE / "pool" / "cluster.py").read_text())
     cluster = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Cluster")
     assert cluster.end_lineno - cluster.lineno + 1 <= 250

@@ -5,8 +5,7 @@ run with nothing watching. (That replicas reduce in reduce_dtype is in test_zero
 import torch
 
 from zeronb.models import Config, local_batch, make_model
-from zeronb.runs import RunConfig
-from zeronb.train import run_many
+from zeronb.train import RunConfig, run_many
 
 
 # --- observers: a failing step releases what they hold open -------------------------------------------
@@ -15,7 +14,7 @@ def _failing_step_leaves_nothing_open():
     import torch.distributed as dist
 
     from zeronb import ledger
-    from zeronb.observe import PhaseTraffic, StepMemory
+    from zeronb.zero.observe import PhaseTraffic, StepMemory
     from zeronb.zero import ZeRO2
 
     cfg = Config(kind="gpt")

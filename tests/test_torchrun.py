@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from zeronb.launch import loopback_interface
-from zeronb.parity import max_diff
+from zeronb.pool.launch import loopback_interface
+from zeronb.train.parity import max_diff
 
 TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
 
@@ -82,7 +82,8 @@ PRACTICE = ["--grad-accum", "2", "--accum-sync", "last", "--clip", "0.05", "--ac
 def test_training_in_practice_under_torchrun_checkpoints_and_resumes_on_a_pool(impl, stage, tmp_path):
     """Under torchrun (2 nodes x 2), with accumulation, clipping and activation checkpointing:
     save after 2 steps; resume on a pool of 2 ranks to 4 steps; equal to one process."""
-    from zeronb.train import parse_args, run, train_single
+    from zeronb.train.cli import parse_args
+    from zeronb.train import run, train_single
 
     ckpt = str(tmp_path / "ckpt")
     argv = ["--stage", str(stage), "--impl", impl, "--model", "gpt", "--dtype", "float64", *PRACTICE]

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from IPython.display import HTML  # noqa: E402
 
-from zeronb import viz  # noqa: E402
+from zeronb.book import viz  # noqa: E402
 from zeronb.shards import chunk_size  # noqa: E402
 
 NUMEL = 10          # not a multiple of 3 or 4: the padded last chunk is traced like the others
@@ -264,7 +264,7 @@ def test_timeline(traced):
 
 
 def test_ring_explorer(traced):
-    from zeronb import widgets
+    from zeronb.book import widgets
 
     n, res = traced
     open_before = matplotlib.pyplot.get_fignums()
@@ -276,7 +276,7 @@ def test_ring_explorer(traced):
 
 
 def test_display_table_and_show_source(capsys):
-    from zeronb.display import show_source, table
+    from zeronb.book.display import show_source, table
     from zeronb.shards import bounds
 
     html = table(["a", "b"], [[1, "<code>x</code>"], [2, 3]]).data

@@ -7,8 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zeronb.runs import RunConfig
-from zeronb.train import max_diff, run_many
+from zeronb.train import RunConfig, max_diff, run_many
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_INFO is Linux's")
 
@@ -16,7 +15,7 @@ FRAMING = 0.005  # gloo's message headers: well under 0.5 % of a megabyte-sized 
 
 
 def _measure(op, numel):
-    from zeronb.compat import reduce_scatter_single
+    from zeronb.runtime.compat import reduce_scatter_single
     from zeronb.collectives import ring_all_reduce
     from zeronb.ledger import CommLedger
 

@@ -6,8 +6,7 @@ import torch
 
 from zeronb.ledger import ring_bytes
 from zeronb.models import Config, make_model
-from zeronb.runs import RunConfig
-from zeronb.train import grad_diff, max_diff, run_many, train_single
+from zeronb.train import RunConfig, grad_diff, max_diff, run_many, train_single
 
 STEPS = 3
 TOL = {"float64": 1e-10, "float32": 1e-5}       # parameters, and the global batch's loss
@@ -102,7 +101,7 @@ def test_zero1_sends_what_ddp_sends(runs, n, model):
 
 def _summing_instead_of_averaging(configs):
     """Inside a rank: train with zeronb's ZeRO stages made to forget the division by N."""
-    from zeronb.train import train_rank
+    from zeronb.train.ranks import train_rank
     from zeronb.zero.stage import FlatStage
 
     real = FlatStage.average_
@@ -192,7 +191,7 @@ def _count_clock_reads_and_walks(stage_number, observed):
 
     import zeronb
     from zeronb.models import local_batch
-    from zeronb.observe import MemoryTrace, StepMemory, Timeline
+    from zeronb.zero.observe import MemoryTrace, StepMemory, Timeline
     from zeronb.zero import STAGES, StageConfig
 
     cfg, dev = Config(kind="gpt"), zeronb.device()
@@ -235,7 +234,7 @@ def test_without_observers_a_step_reads_no_clock_and_walks_no_parameters(gloo_po
 
 
 def _prefetch_timeline():
-    from zeronb.train import train_rank
+    from zeronb.train.ranks import train_rank
 
     return train_rank(RunConfig(model="gpt", stage=3, prefetch=True, steps=2, trace=True)).timeline
 

@@ -11,7 +11,7 @@ or, in IPython/Jupyter, `%load_ext zeronb` and a cell that starts with `%%ranks 
 Inside a rank, code uses plain torch.distributed; zeronb only launches, counts and draws.
 
 In IPython and Jupyter, importing zeronb also starts the helper process that ranks are forked from
-(see zeronb.forkserver), so that its import of torch overlaps with the notebook's own cells.
+(see zeronb.pool.forkserver), so that its import of torch overlaps with the notebook's own cells.
 """
 import sys
 
@@ -22,13 +22,13 @@ def _in_ipython() -> bool:
 
 
 if _in_ipython():  # before importing torch here, so that both imports run at once
-    from . import forkserver
+    from .pool import forkserver
 
     forkserver.prestart()
 
-from .backend import device  # noqa: E402
-from .cluster import Cluster, RankResults, current, run, shutdown, start  # noqa: E402
-from .errors import RankError, RankTimeout  # noqa: E402
+from .runtime.backend import device  # noqa: E402
+from .pool.cluster import Cluster, RankResults, current, run, shutdown, start  # noqa: E402
+from .pool.errors import RankError, RankTimeout  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["Cluster", "RankError", "RankResults", "RankTimeout", "current", "device", "run",
@@ -37,6 +37,6 @@ __all__ = ["Cluster", "RankError", "RankResults", "RankTimeout", "current", "dev
 
 def load_ipython_extension(ipython):
     """`%load_ext zeronb`: registers the %%ranks cell magic."""
-    from .magic import register
+    from .pool.magic import register
 
     register(ipython)

@@ -10,7 +10,7 @@ def _smoke() -> float:
     import torch
     import torch.distributed as dist
 
-    from .cluster import Cluster
+    from .pool.cluster import Cluster
 
     def allreduce():
         from zeronb import device
@@ -34,7 +34,7 @@ def doctor() -> int:
     import torch
     import torch.distributed as dist
 
-    from .backend import choose_backend, cuda_device_count
+    from .runtime.backend import choose_backend, cuda_device_count
 
     print(f"python      {sys.version.split()[0]} ({platform.platform()})")
     print(f"torch       {torch.__version__}")

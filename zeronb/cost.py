@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class Link:
@@ -43,12 +45,25 @@ def hierarchical_all_reduce(nbytes: float, nodes: int, per_node: int, intra: Lin
     """Reduce-scatter within the node, all-reduce of the shard across nodes, all-gather within."""
     return ring_all_reduce(nbytes, per_node, intra) + ring_all_reduce(nbytes / per_node, nodes, inter)
 
+def fit_alpha_beta(sizes, seconds) -> tuple[float, float]:
+    """Fit t = alpha + beta * S, alpha the latency (s) and beta seconds per byte, by least squares
+    on relative errors: each point's residual is divided by its measured time (weights 1/t), so
+    that every size counts alike. (In plain seconds the largest sizes would decide everything and
+    alpha would be their noise.) `fit_residuals` says how far the line misses each point."""
+    t = np.asarray(seconds, float)
+    beta, alpha = np.polyfit(np.asarray(sizes, float), t, 1, w=1 / t)
+    return float(alpha), float(beta)
+
+
+def fit_residuals(sizes, seconds, alpha: float, beta: float) -> list[float]:
+    """(measured - fitted) / fitted at each size: positive where a call was slower than the line."""
+    return [t / (alpha + beta * s) - 1 for s, t in zip(sizes, seconds)]
+
+
 
 def fit(timings: list) -> Link:
     """(α, β) of a link from [(bytes, seconds)] of single messages sent over it, one way: the model's
-    t = α + β·S for one message, fitted on relative errors (zeronb.bench.fit_alpha_beta)."""
-    from .bench import fit_alpha_beta
-
+    t = α + β·S for one message, fitted on relative errors (`fit_alpha_beta`)."""
     sizes, seconds = zip(*timings)
     alpha, beta = fit_alpha_beta(sizes, seconds)
     return Link(max(alpha, 0.0), beta)

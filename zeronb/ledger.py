@@ -40,8 +40,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .compat import group_size_of
-from .nodes import connections, split_by_node
+from .runtime.compat import group_size_of
+from .runtime.sockets import connections
+from .runtime.links import split_by_node
 from .shards import chunk_size
 
 _scope = contextvars.ContextVar("zeronb_ledger_scope", default=None)   # name of the op being built
@@ -149,7 +150,7 @@ class WireMeter:
             dist.all_reduce(t)
         wire.bytes, wire.by_connection, wire.by_node
 
-    `by_node`, in a pool on several nodes (zeronb.nodes): {"within": bytes to ranks on this rank's node,
+    `by_node`, in a pool on several nodes (zeronb.runtime.links): {"within": bytes to ranks on this rank's node,
     "across": bytes to ranks on other nodes}; None otherwise.
     """
 
@@ -263,9 +264,39 @@ def recording() -> bool:
 
 
 def record(**event) -> None:
-    """Add an event to every open ledger (the ring collectives call this once per step)."""
+    """Add an event to every open ledger."""
     for ledger in _active:
         ledger.record(**event)
+
+
+class RingTracer:
+    """What the ring's pipeline (zeronb.collectives.ring) tells about each step, recorded as a
+    send and a receive event in every open ledger: who sent which chunk to whom, how many bytes,
+    from the step's first send to its last receive (chapter 4's pictures)."""
+
+    def __init__(self, op: str, me: int, nxt: int, prv: int):
+        self.op, self.me, self.nxt, self.prv = op, me, nxt, prv
+        self.started, self.steps_in_phase = {}, {}
+
+    def sending(self, i: int, step) -> None:
+        """Step i's first segment is about to go out."""
+        if i not in self.started:
+            self.started[i] = now(step.send.device)
+
+    def done(self, i: int, step) -> None:
+        """Step i's last segment has arrived (and been added)."""
+        in_phase = self.steps_in_phase.get(step.phase, 0)  # steps count from 0 in each phase
+        self.steps_in_phase[step.phase] = in_phase + 1
+        common = dict(op=self.op, phase=step.phase, step=in_phase, bytes=step.recv.numel() * step.recv.element_size(),
+                      start=self.started[i], end=now(step.recv.device))
+        record(kind="send", src=self.me, dst=self.nxt, chunk=step.send_chunk, **common)
+        record(kind="recv", src=self.prv, dst=self.me, chunk=step.recv_chunk, **common)
+
+
+def ring_tracer(op: str, me: int, nxt: int, prv: int) -> RingTracer | None:
+    """A tracer for one ring collective on this rank, or None when no ledger is open (tracing then
+    costs nothing)."""
+    return RingTracer(op, me, nxt, prv) if recording() else None
 
 
 def now(device=None) -> float:

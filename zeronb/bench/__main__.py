@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3)
     args = parser.parse_args(argv)
     if args.what == "nodes":
-        from ..nodes import parse_rate
+        from ..runtime.topology import parse_rate
 
         print_nodes(nodes(tuple(args.ratios), tuple(args.sizes), parse_rate(args.intra_node_bandwidth), args.reps))
     if args.what == "zero":

@@ -4,6 +4,8 @@ fit and the machine's copy bandwidth as the bound."""
 import statistics
 import time
 
+from ..cost import fit_alpha_beta
+
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 IMPLS = ("ring", "naive", "torch")
 SIZES = tuple(4 << (2 * i) << 10 for i in range(8))  # 4 KiB, 16 KiB, ..., 64 MiB
@@ -16,8 +18,8 @@ def _time_collectives(nbytes: int, ops, impls, reps: int, segment_bytes: int) ->
     import torch.distributed as dist
 
     from .. import collectives as C
-    from ..backend import device
-    from ..compat import all_gather_single, reduce_scatter_single
+    from ..runtime.backend import device
+    from ..runtime.compat import all_gather_single, reduce_scatter_single
     from ..shards import bounds
 
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -94,7 +96,7 @@ def _copy_here() -> dict | None:
     import torch
     import torch.distributed as dist
 
-    from ..backend import device
+    from ..runtime.backend import device
 
     result = None
     if dist.get_rank() == 0:
@@ -108,23 +110,6 @@ def _copy_here() -> dict | None:
             result = {"Bps": memcpy_bandwidth(device=dev), "device": str(dev), "name": name}
     dist.barrier()
     return result
-
-
-def fit_alpha_beta(sizes, seconds) -> tuple[float, float]:
-    """Fit t = alpha + beta * S, alpha the latency (s) and beta seconds per byte, by least squares
-    on relative errors: each point's residual is divided by its measured time (weights 1/t), so
-    that every size counts alike. (In plain seconds the largest sizes would decide everything and
-    alpha would be their noise.) `fit_residuals` says how far the line misses each point."""
-    import numpy as np
-
-    t = np.asarray(seconds, float)
-    beta, alpha = np.polyfit(np.asarray(sizes, float), t, 1, w=1 / t)
-    return float(alpha), float(beta)
-
-
-def fit_residuals(sizes, seconds, alpha: float, beta: float) -> list[float]:
-    """(measured - fitted) / fitted at each size: positive where a call was slower than the line."""
-    return [t / (alpha + beta * s) - 1 for s, t in zip(sizes, seconds)]
 
 
 def copy_ceiling(world_size: int, cores: int | None = None, device="cpu") -> float:
@@ -157,7 +142,7 @@ def collectives(world_sizes=(2, 4), sizes=SIZES, ops=OPS, impls=IMPLS, reps=5,
     """
     from tqdm.auto import tqdm
 
-    from ..cluster import Cluster
+    from ..pool.cluster import Cluster
     from ..collectives import SEGMENT_BYTES
     from ..ledger import bus_factor
 

@@ -1,5 +1,5 @@
 """`python -m zeronb.bench nodes`: 2 nodes x 2 ranks on this machine, the links within a node paced
-at one rate and those between nodes at 1/ratio of it (zeronb.nodes), for several ratios in one pool:
+at one rate and those between nodes at 1/ratio of it (zeronb.runtime.links), for several ratios in one pool:
 
 - the flat ring, the hierarchical all-reduce and gloo's all-reduce, measured (the slowest rank's
   median, the three interleaved), beside the α–β model's prediction (zeronb.cost) from (α, β) fitted
@@ -96,7 +96,7 @@ def time_messages(sizes=(256 << 10, 1 << 20, 4 << 20), reps: int = 3) -> dict:
 
 
 def _set_rates(inter, intra):
-    from ..nodes import set_link_rates
+    from ..runtime.links import set_link_rates
 
     set_link_rates(inter, intra)
 
@@ -105,9 +105,9 @@ def nodes(ratios=(1, 4, 10, 16), sizes=(4 * MiB, 64 * MiB), intra_bps: float = 1
           stage_ratio: int = 10, steps: int = 4) -> dict:
     """{"collectives": rows, "stages": rows}; see the module docstring."""
     from .. import cost
-    from ..cluster import Cluster
-    from ..runs import RunConfig
-    from ..train import run_many
+    from ..pool.cluster import Cluster
+    from ..train.runs import RunConfig
+    from ..train.runner import run_many
 
     rows, stage_rows = [], []
     with Cluster(4, backend="gloo", nodes=2, intra_node_bandwidth=intra_bps, inter_node_bandwidth=intra_bps,
@@ -163,7 +163,7 @@ def expected_across(name: str, report, nodes: int = 2) -> float:
 
 
 def print_nodes(result) -> None:
-    from ..nodes import human_rate
+    from ..runtime.topology import human_rate
 
     print(f"2 nodes x 2 ranks; links within a node paced at {human_rate(result['intra_bps'])}, between nodes at "
           "1/ratio of that. Times: the slowest rank's median (ms); predicted: the alpha-beta model fitted to this "

@@ -14,7 +14,7 @@ def practice_variants(k: int = 4) -> dict:
 
 def _configs(models, stages, rounds, steps, dtype, variants) -> list:
     """Every (model, stage, variant), `rounds` times, interleaved: [(key, RunConfig)]."""
-    from ..runs import RunConfig
+    from ..train.runs import RunConfig
 
     return [((model, stage, name), RunConfig(model=model, stage=stage, steps=steps, dtype=dtype, **changes))
             for _ in range(rounds) for model in models for stage in stages for name, changes in variants.items()]
@@ -26,8 +26,8 @@ def zero(world_size=4, models=("mlp", "gpt"), stages=(0, 1, 2, 3), rounds=3, ste
     the ledger, and on the wire where the OS counts them), model-state bytes held on rank 0, the
     gradient bytes held between micro-batches, and each against the plain step of the same stage
     and against DDP's - all measured in one run on one pool, the variants interleaved."""
-    from ..cluster import Cluster
-    from ..train import run_many
+    from ..pool.cluster import Cluster
+    from ..train.runner import run_many
 
     keyed = _configs(models, stages, rounds, steps, dtype, practice_variants(accum))
     with Cluster(world_size, verbose=False) as c:

@@ -1,5 +1,7 @@
 """The ZeRO stages, one short module each: ddp (stage 0), zero1, zero2, zero3 (and FSDP's options),
-zeropp (ZeRO-3 with ZeRO++'s hpZ and qwZ, for several nodes), behind one interface (stage.Stage) and one config (config.StageConfig):
+zeropp (ZeRO-3 with ZeRO++'s hpZ and qwZ, for several nodes), behind one interface (stage.Stage)
+and one config (config.StageConfig); PyTorch's counterparts behind the same interface
+(torch_impls); and what watches a stage from outside (observe):
 
     stage = ZeRO1(model, StageConfig(precision="float32", lr=1e-3))
     loss = stage.train_step(x, y)        # forward, backward, communication, optimizer step
@@ -8,8 +10,11 @@ zeropp (ZeRO-3 with ZeRO++'s hpZ and qwZ, for several nodes), behind one interfa
 
 What every stage shares is in buckets.py (parameters in flat buffers, and their gradients' state
 during a step) and optim.py (the optimizer on a rank's shards).
+
+May import the lessons (zeronb.collectives, .shards, .memory, .precision, .ledger, ...) and
+zeronb.runtime (process groups come from zeronb.runtime.groups); not the pool, training or book.
 """
-from .config import StageConfig, sharding_groups
+from .config import StageConfig
 from .ddp import DDP, NaiveDDP
 from .stage import Stage
 from .zero1 import ZeRO1
@@ -19,4 +24,4 @@ from .zeropp import ZeROPlusPlus
 
 STAGES = {0: DDP, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}
 
-__all__ = ["DDP", "NaiveDDP", "ZeRO1", "ZeRO2", "ZeRO3", "ZeROPlusPlus", "STAGES", "Stage", "StageConfig", "sharding_groups"]
+__all__ = ["DDP", "NaiveDDP", "ZeRO1", "ZeRO2", "ZeRO3", "ZeROPlusPlus", "STAGES", "Stage", "StageConfig"]

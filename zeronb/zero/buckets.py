@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..collectives import ring_reduce_scatter
-from ..compat import reduce_scatter_single
+from ..runtime.compat import reduce_scatter_single
 from ..shards import padded_numel
 
 

@@ -9,7 +9,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..backend import per_world
 from ..precision import Precision, check_optimizer, precision
 
 REDUCE_SCATTERS = ("torch", "ring")
@@ -53,23 +52,3 @@ class StageConfig:
     @property
     def precision_spec(self) -> Precision:
         return precision(self.precision)
-
-
-def sharding_groups(shard_size: int) -> tuple:
-    """(shard group, replica group) of this rank for sharding over `shard_size` consecutive ranks
-    and replicating across the groups (HSDP): with 4 ranks and shard_size 2, ranks {0, 1} and
-    {2, 3} each hold one copy of the shards, and ranks {0, 2} and {1, 3} average their gradients.
-    Every rank must call this (creating a group is collective); groups are made once per size."""
-    n = dist.get_world_size()
-    if shard_size < 1 or n % shard_size:
-        raise ValueError(f"shard_size must divide the {n} ranks, not {shard_size}")
-    if shard_size == n:
-        return None, None
-    def make():
-        shards, _ = dist.new_subgroups_by_enumeration(
-            [list(range(s, s + shard_size)) for s in range(0, n, shard_size)])
-        replicas, _ = dist.new_subgroups_by_enumeration(
-            [list(range(i, n, shard_size)) for i in range(shard_size)])
-        return shards, replicas
-
-    return per_world(("sharding", shard_size), make)

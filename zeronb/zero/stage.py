@@ -11,7 +11,7 @@ so that a training loop, the train CLI, checkpoints and the chapters can swap on
                                  # tensors laid out like this rank's optimizer shards hold
 
 Observers watch a stage from outside: each is called as `observer(stage, event, where)` at the
-points listed in zeronb.observe, and nothing is recorded, timed or walked when there are none.
+points listed in zeronb.zero.observe, and nothing is recorded, timed or walked when there are none.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ..backend import device_mesh
-from ..compat import all_gather_single, dtensor
+from ..runtime.groups import device_mesh
+from ..runtime.compat import all_gather_single, dtensor
 from ..shards import shard_numel
 from .buckets import reduce_scatter_into
 from .config import StageConfig
@@ -125,7 +125,7 @@ class Stage:
         raise NotImplementedError
 
     def tell(self, event: str, where=None) -> None:
-        """Let the observers know (see zeronb.observe); without observers this costs nothing."""
+        """Let the observers know (see zeronb.zero.observe); without observers this costs nothing."""
         for observer in self.observers:
             observer(self, event, where)
 

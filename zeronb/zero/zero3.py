@@ -31,7 +31,7 @@ import warnings
 
 import torch
 
-from ..compat import all_gather_single
+from ..runtime.compat import all_gather_single
 from .buckets import Bucket
 from .optim import ShardOptimizer
 from .stage import FlatStage

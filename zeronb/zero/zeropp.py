@@ -2,7 +2,7 @@
 
 ZeRO-3 gathers every unit's parameters twice a step over all N ranks, forward and backward, and
 reduce-scatters the gradients over all of them: on k nodes most of those bytes cross the slow links
-between nodes (zeronb.nodes). ZeRO++ cuts them in three ways; this stage does the first two.
+between nodes (zeronb.runtime.links). ZeRO++ cuts them in three ways; this stage does the first two.
 
 hpZ (hierarchical partitioning): when a unit has been gathered for its forward, each rank also keeps
 a *secondary* copy of the unit's parameters sharded over its own node only (1/g of the unit, g
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compat import all_gather_single
+from ..runtime.compat import all_gather_single
 from .zero3 import ZeRO3, Unit
 
 BLOCK = 256  # elements per quantization scale (ZeRO++ quantizes block by block, a scale each)
@@ -57,7 +57,8 @@ class ZeROPlusPlus(ZeRO3):
             raise ValueError(f"quantize_weights must be None or 'int8', not {quantize_weights!r}")
         self.hpz, self.quantize_weights = hpz, quantize_weights
         if hpz:
-            from ..nodes import Topology, node_groups
+            from ..runtime.topology import Topology
+            from ..runtime.groups import node_groups
 
             topology = Topology.from_env()
             if topology.nodes == 1:

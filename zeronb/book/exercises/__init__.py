@@ -2,7 +2,7 @@
 torch.distributed (or a formula), and say precisely what is wrong - which rank, which chunk or
 element, what was expected and what came back.
 
-    from zeronb.exercises import check_all_reduce
+    from zeronb.book.exercises import check_all_reduce
     check_all_reduce(my_all_reduce)      # prints a verdict; returns True when everything matches
 
 collectives.py checks the collectives and byte counts (chapters 3, 4, 8, 10); engines.py the
@@ -14,8 +14,7 @@ A function that deadlocks is stopped by the pool's timeout and reported as such.
 """
 from .checking import Verdict
 from .collectives import check_all_reduce, check_ring_all_gather, check_zero1_step, check_zero3_bytes
-from .engines import (check_accumulate_and_clip, check_bucketed_ddp, check_zero2_hooks,
-                      check_zero3_unit)
+from .engines import check_accumulate_and_clip, check_bucketed_ddp, check_zero2_hooks, check_zero3_unit
 from .nodes import check_hierarchical_all_reduce, check_hsdp_gradient
 
 __all__ = ["Verdict", "check_all_reduce", "check_ring_all_gather", "check_zero1_step", "check_zero3_bytes",

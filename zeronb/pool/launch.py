@@ -1,8 +1,8 @@
 """Starting a pool's rank processes on this machine: the rendezvous on loopback, each rank's
 environment (what torchrun would set), the fork, and the handshake on the control channel.
 
-    listener, store, key -> fork each rank from the helper (zeronb.forkserver) -> accept one
-    authenticated connection per rank -> the ranks join the process group (zeronb._worker)
+    listener, store, key -> fork each rank from the helper (zeronb.pool.forkserver) -> accept one
+    authenticated connection per rank -> the ranks join the process group (zeronb.pool._worker)
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from multiprocessing.connection import Listener
 import torch.distributed as dist
 
 from . import forkserver
-from . import nodes as nodes_module
+from ..runtime.topology import INTER_ENV, INTRA_ENV, link_environment
 from .errors import signal_name
 from .messages import WORKER_LOOP_FRAME
 from .rank_output import RankOutput
@@ -120,7 +120,7 @@ def stack_dumps(ranks: list[Rank], timeout: float = 3.0) -> dict[int, str]:
 def rank_environment(env: dict, *, world_size: int, nodes: int, store_port: int, control, backend: str,
                      threads: int, path: list, links: dict | None = None) -> list[dict]:
     """Each rank's environment: what torchrun sets (RANK, LOCAL_RANK, GROUP_RANK, WORLD_SIZE, ...),
-    ranks numbered node-major, and what zeronb's worker reads (the link rates: zeronb.nodes)."""
+    ranks numbered node-major, and what zeronb's worker reads (the link rates: zeronb.runtime.links)."""
     per_node = world_size // nodes
     common = dict(env)
     common.pop("PYTEST_CURRENT_TEST", None)  # (ipykernel stops capturing subprocess output under it)
@@ -136,9 +136,9 @@ def rank_environment(env: dict, *, world_size: int, nodes: int, store_port: int,
         # the notebook's own modules: functions from importable modules are pickled by reference)
         "PYTHONPATH": os.pathsep.join(path),
     })
-    for name in (nodes_module.INTER_ENV, nodes_module.INTRA_ENV):
+    for name in (INTER_ENV, INTRA_ENV):
         common.pop(name, None)
-    common.update(nodes_module.link_environment(links or {}))
+    common.update(link_environment(links or {}))
     return [dict(common, RANK=str(r), LOCAL_RANK=str(r % per_node), GROUP_RANK=str(r // per_node),
                  NODE_RANK=str(r // per_node)) for r in range(world_size)]
 

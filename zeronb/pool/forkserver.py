@@ -8,7 +8,7 @@ is a fork of it - ready to join its process group in milliseconds. This is the "
 Android and of Python's own `multiprocessing.forkserver`; ours is small because the pool needs
 little: fork, hand the rank its pipes, tell the notebook when it exits.
 
-    notebook ──socket──▶ helper (python -m zeronb.forkserver: imports, then waits)
+    notebook ──socket──▶ helper (a script: zeronb/pool/forkserver.py: imports, then waits)
                            ├─fork─▶ rank 0  (new session, stdout/stderr = the notebook's pipes)
                            └─fork─▶ rank 1 ...
 
@@ -40,9 +40,9 @@ START_TIMEOUT = 120.0  # seconds for the helper to import torch (a cold disk, a 
 
 # Imported by the helper before any fork, so that no rank pays for them. torch._dynamo is what the
 # first TorchDispatchMode (zeronb.ledger's byte counter) would import: seconds of CPU.
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "cloudpickle", "numpy", "zeronb._worker",
-           "zeronb.backend", "zeronb.shards", "zeronb.collectives", "zeronb.ledger", "zeronb.memory",
-           "zeronb.models", "zeronb.zero", "zeronb.train", "zeronb.exercises", "zeronb.messages", "zeronb.observe")
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "cloudpickle", "numpy", "zeronb.pool._worker",
+           "zeronb.runtime.backend", "zeronb.shards", "zeronb.collectives", "zeronb.ledger", "zeronb.memory",
+           "zeronb.models", "zeronb.zero", "zeronb.train", "zeronb.book.exercises", "zeronb.pool.messages", "zeronb.zero.observe")
 
 # Environment variables that libraries read once, when they are loaded: a helper started under
 # other values would hand stale settings to its ranks, so a change starts a new helper.
@@ -152,7 +152,7 @@ class ForkServer:
                    # torch.cuda.is_available() by NVML, not cuInit: the helper must not touch CUDA
                    PYTORCH_NVML_BASED_CUDA_CHECK="1")
         env.pop("PYTEST_CURRENT_TEST", None)
-        # Run as a script, not `-m zeronb.forkserver` (which would import the package, and torch,
+        # Run as a script, not `-m zeronb.pool.forkserver` (which would import the package, and torch,
         # before forking). The first process only forks the helper and exits (reaped here at once):
         # the helper is nobody's child but init's, in its own session.
         launcher = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(theirs.fileno())],
@@ -194,7 +194,7 @@ class ForkServer:
             return False
 
     def fork(self, env: dict, cwd: str, path: list, authkey: bytes) -> RankProcess:
-        """Fork one rank: it runs `zeronb._worker.main` with this environment, directory and
+        """Fork one rank: it runs `zeronb.pool._worker.main` with this environment, directory and
         import path, writing its output into pipes this process reads."""
         self.wait_ready()
         out_r, out_w = os.pipe()
@@ -229,7 +229,7 @@ class ForkServer:
 def import_path() -> list[str]:
     """Where a rank imports from: this zeronb first, then what the notebook can import (its own
     modules too: functions from importable modules are pickled by reference)."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (above zeronb/pool/)
     paths = [here] + [os.path.abspath(p or os.getcwd()) for p in sys.path]
     return list(dict.fromkeys(p for p in paths if os.path.isdir(p)))
 
@@ -237,7 +237,7 @@ def import_path() -> list[str]:
 def _stamp(env: dict) -> tuple:
     """What the helper's imports depend on: the interpreter, the environment variables read at
     import time, and zeronb's source files (edited while a notebook runs)."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # zeronb/, every layer
     sources = []
     for folder, _, files in os.walk(here):
         sources += [(os.path.join(folder, f), os.stat(os.path.join(folder, f)).st_mtime_ns)
@@ -309,7 +309,7 @@ def serve(fd: int) -> None:
             try:
                 importlib.import_module(name)
             except ImportError:
-                if name in ("torch", "torch.distributed", "cloudpickle", "zeronb._worker"):
+                if name in ("torch", "torch.distributed", "cloudpickle", "zeronb.pool._worker"):
                     raise
     except BaseException:
         _send(sock, ("error", traceback.format_exc()))
@@ -401,13 +401,13 @@ def _become_rank(parent, out_w, err_w, others, env, cwd, path, authkey) -> None:
     if "numpy" in sys.modules:  # `random` reseeds itself in a fork; numpy's global generator does not
         sys.modules["numpy"].random.seed()
 
-    from zeronb import _worker
+    from zeronb.pool import _worker
 
     _worker.main(authkey)
 
 
 if __name__ == "__main__":
-    # Started by ForkServer as a script: its folder, zeronb/, is not a place to import from (the
+    # Started by ForkServer as a script: its folder, zeronb/pool/, is not a place to import from (the
     # package is, through PYTHONPATH). Fork once more and let the first process exit, so that the
     # helper is not the notebook's child (the notebook keeps no process of its own between pools).
     del sys.path[0]

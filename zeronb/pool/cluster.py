@@ -40,11 +40,11 @@ from multiprocessing.connection import Listener
 
 import cloudpickle
 
-from . import backend as _backend
+from ..runtime import backend as _backend
 from . import calls, forkserver, launch
 from .errors import call_failure, format_stack_dump, join_ranks, shorten
 from .messages import Call
-from .nodes import check_links
+from ..runtime.topology import check_links
 from .rank_output import print_grouped
 
 DEFAULT_TIMEOUT = 120.0  # seconds; generous for teaching. ZERONB_TIMEOUT overrides it (CI sets it lower)
@@ -102,7 +102,7 @@ class Cluster:
 
     `nodes` simulates several machines on this one: ranks get LOCAL_RANK / GROUP_RANK (the node) as
     torchrun would set them on `nodes` machines of `world_size // nodes` processes each, and the kernel
-    paces the links between nodes at `inter_node_bandwidth` ("50MB/s"; zeronb.nodes).
+    paces the links between nodes at `inter_node_bandwidth` ("50MB/s"; zeronb.runtime.links).
     """
 
     def __init__(self, world_size: int = 2, backend: str = "auto", *, nodes: int = 1,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .memory import model_state_bytes
+from ..memory import model_state_bytes
 
 WIRE = "bytes on the wire (the OS's TCP counters)"
 VALUES = "values on the ranks"

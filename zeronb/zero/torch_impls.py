@@ -16,10 +16,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import memory
-from .backend import device, device_mesh
-from .compat import dtensor, fsdp2_unsharded_grads, fully_shard, mixed_precision_policy
-from .zero.stage import Stage
+from .. import memory
+from ..runtime.backend import device
+from ..runtime.groups import device_mesh
+from ..runtime.compat import dtensor, fsdp2_unsharded_grads, fully_shard, mixed_precision_policy
+from .stage import Stage
 
 
 def _allreduce_hook(state, bucket):
@@ -68,11 +69,11 @@ class TorchStage(Stage):
         else:
             if self.shard_group is not None and self.replica_group is None:
                 raise ValueError("FSDP2 here shards over all ranks, or over groups of consecutive ranks with "
-                                 "replicas (zeronb.zero.sharding_groups)")
+                                 "replicas (zeronb.runtime.groups.sharding_groups)")
             mesh = device_mesh(self.shards, self.data_parallel // self.shards)
             reshard = stage == 3
             if hpz:
-                from .nodes import Topology
+                from ..runtime.topology import Topology
 
                 if stage != 3 or Topology.from_env().nodes == 1:
                     raise ValueError("hpz is stage 3's, and needs a pool on several nodes")
@@ -155,7 +156,7 @@ class TorchStage(Stage):
         local optimizer: saved under their names, loaded in place by whichever rank owns them then."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        from .zero.optim import init_state
+        from .optim import init_state
 
         if self.stage != 1:
             return {"model": get_model_state_dict(self.model),

@@ -13,9 +13,9 @@ from typing import Optional
 
 import torch
 
-from .models import WRAPS, Config
-from .precision import OPTIMIZERS, precision
-from .zero.config import REDUCE_SCATTERS, StageConfig
+from ..models import WRAPS, Config
+from ..precision import OPTIMIZERS, precision
+from ..zero.config import REDUCE_SCATTERS, StageConfig
 
 REDUCE_DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -44,7 +44,7 @@ class RunConfig:
     shard_size: Optional[int] = None     # shard over groups of this many ranks, replicate across them (HSDP)
     shard_group: str = "world"      # "node": shard within each node, replicate across the nodes (HSDP, MiCS)
     nodes: Optional[int] = None     # a new pool's simulated nodes (1); on a pool given to run: the pool's
-    inter_node_bandwidth: Optional[str] = None  # a new pool's link between nodes, paced ("50MB/s": zeronb.nodes)
+    inter_node_bandwidth: Optional[str] = None  # a new pool's link between nodes, paced ("50MB/s": zeronb.runtime.links)
     intra_node_bandwidth: Optional[str] = None  # and within a node (default: unpaced)
     hpz: bool = False               # stage 3: ZeRO++'s hpZ (zeronb), or FSDP2 resharding to a node after forward
     quantize_weights: Optional[str] = None      # stage 3, zeronb: "int8" forward all-gathers (ZeRO++'s qwZ)
@@ -104,7 +104,7 @@ class RunConfig:
         return bad
 
     def _node_problems(self) -> list[str]:
-        from .nodes import parse_rate
+        from ..runtime.topology import parse_rate
 
         bad = []
         if self.nodes is not None and (isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1
@@ -124,7 +124,7 @@ class RunConfig:
         return bad
 
     def _resume_problems(self) -> list[str]:
-        from . import checkpoint
+        from .. import checkpoint
 
         try:
             info = checkpoint.read_info(self.resume)
@@ -180,11 +180,11 @@ class RankReport:
     cuda_allocated: Optional[int] = None        # on a GPU: torch.cuda's allocated bytes now, and the peak
     cuda_peak: Optional[int] = None
     grads: Optional[dict] = None     # {name: (start, stop, values)}: the averaged gradient the last step used
-    timeline: Optional[list] = None  # with trace: (what, key, start, end) of the last step (zeronb.observe)
+    timeline: Optional[list] = None  # with trace: (what, key, start, end) of the last step (zeronb.zero.observe)
     events: Optional[list] = None    # with trace: (event, key, seconds) of the last step
     timeline_origin: Optional[float] = None  # with trace, on the CPU: the clock reading those seconds count from
     memory_trace: Optional[list] = None  # with trace: (event, key, bytes held) at each event of the last step
-    phases: Optional[dict] = None    # with trace: the last step's traffic by phase (zeronb.observe.PhaseTraffic)
+    phases: Optional[dict] = None    # with trace: the last step's traffic by phase (zeronb.zero.observe.PhaseTraffic)
     params: Optional[dict] = None    # {name: full tensor} after training
 
     def to_json(self) -> dict:

@@ -17,8 +17,8 @@ def _mlp_and_reference(steps: int = 2):
     reference gradients (averaged over the ranks), by parameter name."""
     import torch.distributed as dist
 
-    from ..backend import device
-    from ..models import Config, local_batch, make_model
+    from ...runtime.backend import device
+    from ...models import Config, local_batch, make_model
 
     cfg, dev = Config(kind="mlp"), device()
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -58,7 +58,7 @@ def _call_learner(what, fn, *args):
 def _try_bucketed_ddp(fn):
     import torch.distributed as dist
 
-    from ..ledger import CommLedger
+    from ...ledger import CommLedger
 
     model, batches, reference = _mlp_and_reference()
     names = {p: name for name, p in model.named_parameters()}
@@ -140,9 +140,9 @@ def check_bucketed_ddp(fn, world_size: int = 4) -> Verdict:
 def _try_zero2_hooks(fn):
     import torch.distributed as dist
 
-    from ..ledger import CommLedger
-    from ..memory import tensor_bytes
-    from ..zero.buckets import Bucket
+    from ...ledger import CommLedger
+    from ...memory import tensor_bytes
+    from ...zero.buckets import Bucket
 
     model, batches, reference = _mlp_and_reference()
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -209,8 +209,8 @@ def check_zero2_hooks(fn, world_size: int = 4) -> Verdict:
 def _try_zero3_unit(fn):
     import torch.distributed as dist
 
-    from ..ledger import CommLedger
-    from ..zero.buckets import Bucket
+    from ...ledger import CommLedger
+    from ...zero.buckets import Bucket
 
     model, batches, reference = _mlp_and_reference(steps=1)
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -285,8 +285,8 @@ def check_zero3_unit(fn, world_size: int = 4) -> Verdict:
 def _try_accumulate_and_clip(fn, max_norm, k):
     import torch.distributed as dist
 
-    from ..ledger import CommLedger
-    from ..shards import chunk_bounds
+    from ...ledger import CommLedger
+    from ...shards import chunk_bounds
 
     rank, n, numel = dist.get_rank(), dist.get_world_size(), 4096
     # K micro-batch gradients of this rank (each of its micro-batch's mean loss), flat and padded

@@ -12,7 +12,7 @@ SLACK = 1.05, 4096  # gloo's message headers and TCP's small messages: 5 % and 4
 
 def _node_pool(world_size: int, nodes: int):
     """The notebook's pool if it already has this shape (its link rates kept), else a new one."""
-    from ..cluster import _default, start
+    from ...pool.cluster import _default, start
 
     if (_default is not None and not _default.closed and _default.world_size == world_size
             and _default.nodes == nodes):
@@ -33,7 +33,7 @@ def _across_limit(nbytes: float) -> int:
 def _try_hierarchical(fn, numel, dtype):
     import torch.distributed as dist
 
-    from ..ledger import WireMeter
+    from ...ledger import WireMeter
 
     x = _inputs(dist.get_rank(), numel, dtype)
     want = x.clone()
@@ -47,7 +47,7 @@ def check_hierarchical_all_reduce(fn, world_size: int = 4, nodes: int = 2, sizes
                                   dtype=torch.float32) -> Verdict:
     """Exercise (chapter 13): `fn(tensor) -> tensor`, the all-reduce (sum) in three hops: reduce-scatter
     within the node, all-reduce of this rank's shard across nodes (with the ranks of the same local
-    rank), all-gather within the node (`zeronb.nodes.node_groups()` gives the two groups). Besides
+    rank), all-gather within the node (`zeronb.runtime.groups.node_groups()` gives the two groups). Besides
     the sum, each rank may send at most 2(k-1)/k of its shard across nodes (k nodes, measured by
     the OS; 5 % and 4 KiB allowed for headers). Sizes divide evenly by the world size."""
     title = "hierarchical all-reduce"
@@ -75,8 +75,8 @@ def check_hierarchical_all_reduce(fn, world_size: int = 4, nodes: int = 2, sizes
 def _try_hsdp_gradient(fn, numel):
     import torch.distributed as dist
 
-    from ..ledger import WireMeter
-    from ..nodes import Topology
+    from ...ledger import WireMeter
+    from ...runtime.topology import Topology
 
     rank, n = dist.get_rank(), dist.get_world_size()
     topology = Topology.from_env()

@@ -25,8 +25,8 @@ import io
 import math
 import re
 
-from . import memory
-from .precision import OPTIMIZER_STATES, PRECISIONS
+from .. import memory
+from ..precision import OPTIMIZER_STATES, PRECISIONS
 
 OPTIMIZERS = {"adam": "Adam", "sgd-momentum": "SGD with momentum", "sgd": "SGD"}  # name -> label
 STAGE_NAMES = {0: "DDP (stage 0)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}

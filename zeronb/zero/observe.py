@@ -32,9 +32,9 @@ import time
 
 import torch
 
-from . import memory
-from .zero.buckets import Bucket
-from .zero.zero3 import Unit
+from .. import memory
+from .buckets import Bucket
+from .zero3 import Unit
 
 
 def key(stage, where):
@@ -259,7 +259,7 @@ class PhaseTraffic:
         self._open = contextlib.ExitStack()
 
     def _begin(self, phase):
-        from .ledger import CommLedger
+        from ..ledger import CommLedger
 
         self._open.close()
         self._ledger = self._open.enter_context(CommLedger(wire=self.wire))

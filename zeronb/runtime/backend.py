@@ -2,7 +2,7 @@
 
 Everything that depends on the machine (GPUs or not) lives here, so that the rest of zeronb, the
 notebooks and the tests can stay the same everywhere. (What depends on the torch version is in
-zeronb.compat.)
+zeronb.runtime.compat; the process groups in zeronb.runtime.groups.)
 """
 from __future__ import annotations
 
@@ -102,30 +102,3 @@ def backend_for(what="cpu", group=None) -> str:
     config = backend_config(group)
     per_device = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
     return per_device.get(kind, config if ":" not in config else "")
-
-
-_per_world: dict = {}  # what belongs to the current default process group, by key
-
-
-def per_world(key, make):
-    """What `make()` returns, made once per process group (its subgroups, a device mesh): each
-    costs connections, and dies with the group that it belongs to, so a new group starts afresh."""
-    if _per_world.get("world") is not dist.group.WORLD:
-        _per_world.clear()
-        _per_world["world"] = dist.group.WORLD
-    if key not in _per_world:
-        _per_world[key] = make()
-    return _per_world[key]
-
-
-def device_mesh(shards: int, replicas: int = 1, group=None):
-    """The DeviceMesh of the sharding ranks (DTensors, FSDP2, DCP): 1-D over all ranks or over
-    `group`; with replicas 2-D, (replicas, shards), shards consecutive as zeronb.zero.sharding_groups
-    lays them out (FSDP2 replicates over dimension 0). Made once per process group."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-    kind = device().type
-    if group is not None:
-        return per_world(("mesh", kind, group), lambda: DeviceMesh.from_group(group, kind))
-    shape, names = ((shards,), ("shard",)) if replicas == 1 else ((replicas, shards), ("replicate", "shard"))
-    return per_world(("mesh", kind, shape), lambda: init_device_mesh(kind, shape, mesh_dim_names=names))
