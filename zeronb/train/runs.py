@@ -187,6 +187,16 @@ class RankReport:
     phases: Optional[dict] = None    # with trace: the last step's traffic by phase (zeronb.zero.observe.PhaseTraffic)
     params: Optional[dict] = None    # {name: full tensor} after training
 
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes the last step sent, every collective together, as the ledger counted them (logical)."""
+        return sum(self.sent_bytes_per_step.values())
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of parameters, gradients and optimizer state the rank holds between steps."""
+        return sum(self.bytes.values())
+
     def to_json(self) -> dict:
         """Plain data: everything but the tensors."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("params", "grads")}
