@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         from zeronb.train.parity import max_diff
 
         for optimizer in ("adam", "sgd"):
-            common = ["--model", "gpt", "--dtype", "float64", "--steps", "3", "--optimizer", optimizer]
+            common = ["--model", "gpt", "--precision", "float64", "--steps", "3", "--optimizer", optimizer]
             p, s = sh("-m", "zeronb.train", "--nproc", "1", "--stage", "0", *common,
                       "--save-params", f"{tmp}/ref.pt", "--report", f"{tmp}/ref.json")
             ref = torch.load(f"{tmp}/ref.pt") if p.returncode == 0 else None

@@ -8,7 +8,7 @@ from zeronb import checkpoint
 from zeronb.train import RunConfig, max_diff, run, train_single
 from zeronb.train.cli import parse_args
 
-GPT = dict(model="gpt", dtype="float64")
+GPT = dict(model="gpt", precision="float64")
 
 
 def _train(**settings):
@@ -44,7 +44,7 @@ def test_bf16_mixed_resumes_bit_for_bit_with_its_fp32_master_copy(stage, tmp_pat
     """In bf16-mixed the fp32 master copy is state too: without it, a resume would round every
     parameter to bf16 and drift; with it, a resume on the same ranks is the same run, bit for bit."""
     d = str(tmp_path / "ckpt")
-    common = dict(model="gpt", dtype="bf16-mixed", stage=stage, nproc=4)
+    common = dict(model="gpt", precision="bf16-mixed", stage=stage, nproc=4)
     whole = _train(**common, steps=4).params
     _train(**common, steps=2, checkpoint=d)
     resumed = _train(**common, steps=4, resume=d).params

@@ -42,7 +42,7 @@ def test_every_path_of_the_train_cli_reports_the_same_fields(tmp_path):
     one, pool = reports["one process"], reports["stage 2 pool"]
     assert set(one) == set(pool) and set(one["ranks"][0]) == set(pool["ranks"][0])
     assert one["ranks"][0]["bytes"]["grads"] > 0  # the reference keeps its gradients, as DDP does
-    assert pool["grad_accum"] == 2 and pool["clip"] == 1.0 and pool["ranks"][0]["grad_norm"] > 0
+    assert pool["grad_accum"] == 2 and pool["clip_norm"] == 1.0 and pool["ranks"][0]["grad_norm"] > 0
 
 
 def test_bench_zero_measures_accumulation_and_bf16_reduction_per_stage():

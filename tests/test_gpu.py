@@ -122,7 +122,7 @@ def test_sgd_and_the_gradients_on_cuda_match_one_process(stage, impl):
     """Parity that would see a gradient scaled by a constant: plain SGD, and the averaged gradients."""
     from zeronb.train import RunConfig, grad_diff, max_diff, run, train_single
 
-    config = RunConfig(model="gpt", dtype="float64", steps=3, optimizer="sgd")
+    config = RunConfig(model="gpt", precision="float64", steps=3, optimizer="sgd")
     ref = train_single(config)
     got = run(config.replace(nproc=N, stage=stage, impl=impl))
     assert got.ranks[0].device == "cuda:0"
@@ -135,17 +135,17 @@ def test_training_in_practice_on_cuda_matches_one_process(stage, impl):
     parameters of one CUDA process on the whole batch; bf16 reduction costs precision, within 1e-2."""
     from zeronb.train import RunConfig, max_diff, run, train_single
 
-    common = RunConfig(model="gpt", dtype="float64", steps=3)
-    ref = train_single(common.replace(clip=0.05))
+    common = RunConfig(model="gpt", precision="float64", steps=3)
+    ref = train_single(common.replace(clip_norm=0.05))
     assert ref.ranks[0].device == "cuda:0"
-    for sync in ("every", "last"):
-        got = run(common.replace(nproc=N, stage=stage, impl=impl, grad_accum=2, accum_sync=sync, clip=0.05,
+    for sync in (True, False):
+        got = run(common.replace(nproc=N, stage=stage, impl=impl, grad_accum=2, sync_each_micro_batch=sync, clip_norm=0.05,
                                  activation_checkpointing=True))
         assert got.ranks[0].device == "cuda:0"
         assert max_diff(got.params, ref.params) <= 1e-10, (stage, impl, sync)
         assert all(abs(r.grad_norm - ref.ranks[0].grad_norm) <= 1e-12 * r.grad_norm for r in got.ranks)
     plain = train_single(common).params
-    f32 = common.replace(dtype="float32", nproc=N, stage=stage, impl=impl)
+    f32 = common.replace(precision="float32", nproc=N, stage=stage, impl=impl)
     err = {rd: max_diff(run(f32.replace(reduce_dtype=rd)).params, plain) for rd in ("fp32", "bf16")}
     assert err["fp32"] < 1e-5 and err["bf16"] < 1e-2, err
     if N > 1:  # on one rank there is no sum to round

@@ -201,7 +201,7 @@ def test_the_hierarchical_all_reduce_sums_and_keeps_most_bytes_in_the_node(world
 # --- the stages across nodes ---------------------------------------------------------------------------
 
 STEPS = 3
-BASE = dict(model="gpt", dtype="float64", steps=STEPS)
+BASE = dict(model="gpt", precision="float64", steps=STEPS)
 NODE_RUNS = {**{(s, i, "HSDP"): dict(stage=s, impl=i, shard_group="node") for s in range(4) for i in ("zeronb", "torch")},
              **{(3, i, v): dict(stage=3, impl=i, **kw) for i in ("zeronb", "torch")
                 for v, kw in (("ZeRO-3", {}), ("hpZ", dict(hpz=True)), ("MiCS", dict(shard_group="node", grad_accum=2)))},

@@ -189,3 +189,40 @@ def test_the_pool_class_reads_in_one_sitting():
     tree = ast.parse((PACKAGE / "pool" / "cluster.py").read_text())
     cluster = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Cluster")
     assert cluster.end_lineno - cluster.lineno + 1 <= 250
+
+
+def chapter_functions(notebooks=ROOT / "notebooks") -> dict:
+    """{function name: chapters that define it at the top level of a code cell}."""
+    import json
+
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    python = TransformerManager().transform_cell  # line magics (%pip, !ls) become Python
+    found = {}
+    for path in sorted(notebooks.glob("*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] != "code":
+                continue
+            source = "".join(cell["source"])
+            if source.lstrip().startswith("%%"):  # a cell magic (%%ranks): its body is rank code
+                source = source.split("\n", 1)[1] if "\n" in source else ""
+            for node in ast.parse(python(source)).body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    found.setdefault(node.name, set()).add(path.stem)
+    return found
+
+
+def test_no_helper_is_defined_in_two_chapters():
+    """Plumbing two chapters need is the package's (a function, a RankReport property); a name a
+    chapter defines is its own lesson."""
+    shared = {name: sorted(chapters) for name, chapters in chapter_functions().items() if len(chapters) > 1}
+    assert shared == {}
+
+
+def test_the_duplicate_finder_sees_a_helper_in_two_chapters(tmp_path):
+    import json
+
+    for name in ("01_a", "02_b"):
+        cell = {"cell_type": "code", "source": ["def sent(r):\n", "    return sum(r.values())\n"], "metadata": {}}
+        (tmp_path / f"{name}.ipynb").write_text(json.dumps({"cells": [cell]}))
+    assert chapter_functions(tmp_path) == {"sent": {"01_a", "02_b"}}

@@ -72,7 +72,7 @@ def test_no_traffic_no_bytes(pool):
 
 def test_each_stage_on_the_wire_with_gloo_and_with_a_ring_reduce_scatter(gloo_pool):
     n = 4
-    runs = run_many([RunConfig(model="mlp", stage=stage, steps=2, dtype="float64", reduce_scatter=rs)
+    runs = run_many([RunConfig(model="mlp", stage=stage, steps=2, precision="float64", reduce_scatter=rs)
                      for stage in range(4) for rs in ("torch", "ring")], gloo_pool(n))
     by = {(r.config.stage, r.config.reduce_scatter): r for r in runs}
     small = 0.06  # a small model's training step sends many small messages: headers weigh more

@@ -27,7 +27,7 @@ def reference():
     def get(model, dtype, optimizer="adam", **kw):
         key = (model, dtype, optimizer, tuple(sorted(kw.items())))
         if key not in cache:
-            cache[key] = train_single(RunConfig(model=model, dtype=dtype, optimizer=optimizer, **{"steps": STEPS, **kw}))
+            cache[key] = train_single(RunConfig(model=model, precision=dtype, optimizer=optimizer, **{"steps": STEPS, **kw}))
         return cache[key]
     return get
 
@@ -39,7 +39,7 @@ def runs(gloo_pool):
 
     def get(n):
         if n not in cache:
-            configs = [RunConfig(model=m, dtype=d, optimizer=o, stage=s, impl=i, steps=STEPS) for m, d, o, s, i in COMBOS]
+            configs = [RunConfig(model=m, precision=d, optimizer=o, stage=s, impl=i, steps=STEPS) for m, d, o, s, i in COMBOS]
             cache[n] = dict(zip(COMBOS, run_many(configs, gloo_pool(n))))
         return cache[n]
     return get
@@ -104,12 +104,12 @@ def _summing_instead_of_averaging(configs):
     from zeronb.train.ranks import train_rank
     from zeronb.zero.stage import FlatStage
 
-    real = FlatStage.average_
-    FlatStage.average_ = lambda self, grads, divided=1: grads  # the sum over the ranks, not the average
+    real = FlatStage.divided_
+    FlatStage.divided_ = lambda self, grads: grads  # the sum over the ranks, not the average
     try:
         return [train_rank(c) for c in configs]
     finally:
-        FlatStage.average_ = real
+        FlatStage.divided_ = real
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -118,7 +118,7 @@ def test_a_stage_that_sums_instead_of_averaging_fails_the_gradient_and_sgd_check
     only elements whose gradient is near its eps move differently); SGD moves every element N-1
     times too far, and the gradients are N times the average."""
     n = 4
-    configs = [RunConfig(model="gpt", dtype="float64", optimizer=o, stage=stage, steps=STEPS) for o in ("adam", "sgd")]
+    configs = [RunConfig(model="gpt", precision="float64", optimizer=o, stage=stage, steps=STEPS) for o in ("adam", "sgd")]
     res = gloo_pool(n).run(_summing_instead_of_averaging, configs, echo=False)
     start = dict(make_model(Config(kind="gpt"), torch.float64).named_parameters())
     error_per_move = {}
@@ -142,7 +142,7 @@ HSDP = [(o, s, i) for o in ("adam", "sgd") for s in range(4) for i in ("zeronb",
 
 @pytest.fixture(scope="module")
 def hsdp_runs(gloo_pool):
-    configs = [RunConfig(model="gpt", dtype="float64", optimizer=o, stage=s, impl=i, steps=STEPS, shard_size=2)
+    configs = [RunConfig(model="gpt", precision="float64", optimizer=o, stage=s, impl=i, steps=STEPS, shard_size=2)
                for o, s, i in HSDP]
     return dict(zip(HSDP, run_many(configs, gloo_pool(4))))
 
@@ -173,7 +173,7 @@ def test_the_replicas_all_reduce_in_reduce_dtype(gloo_pool):
     """4 ranks, shards over pairs: the replicas' all-reduce travels in reduce_dtype, as the
     reduce-scatter does - bf16 halves both."""
     keys = [(s, rd) for s in (1, 2, 3) for rd in ("fp32", "bf16")]
-    res = dict(zip(keys, run_many([RunConfig(model="gpt", stage=s, dtype="float32", shard_size=2, reduce_dtype=rd,
+    res = dict(zip(keys, run_many([RunConfig(model="gpt", stage=s, precision="float32", shard_size=2, reduce_dtype=rd,
                                              steps=2) for s, rd in keys], gloo_pool(4))))
     for stage in (1, 2, 3):
         for rank in range(4):
@@ -257,7 +257,7 @@ def test_with_prefetch_the_timeline_shows_the_next_gather_issued_before_this_uni
 def _practice(pool, **settings):
     """{(stage, impl, variant): RunReport} for each variant of `settings` (name -> RunConfig changes)."""
     keys = [(s, i, name) for s in range(4) for i in ("zeronb", "torch") for name in settings]
-    configs = [RunConfig(model="gpt", stage=s, impl=i, **{"dtype": "float64", "steps": 2, **settings[name]})
+    configs = [RunConfig(model="gpt", stage=s, impl=i, **{"precision": "float64", "steps": 2, **settings[name]})
                for s, i, name in keys]
     return dict(zip(keys, run_many(configs, pool)))
 
@@ -265,8 +265,8 @@ def _practice(pool, **settings):
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_gradient_accumulation_matches_one_process_on_the_whole_batch_for_every_stage_and_choice(
         gloo_pool, reference, ranks):
-    res = _practice(gloo_pool(ranks), every=dict(grad_accum=2, accum_sync="every"),
-                    last=dict(grad_accum=2, accum_sync="last"))
+    res = _practice(gloo_pool(ranks), every=dict(grad_accum=2, sync_each_micro_batch=True),
+                    last=dict(grad_accum=2, sync_each_micro_batch=False))
     ref = reference("gpt", "float64", steps=2)
     for key, r in res.items():
         assert max_diff(r.params, ref.params) <= 1e-10, key
@@ -298,8 +298,8 @@ def test_gradient_accumulation_matches_one_process_on_the_whole_batch_for_every_
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_global_norm_clipping_over_shards_matches_clip_grad_norm_on_one_process(gloo_pool, reference, ranks):
     clip = 0.05  # well below this model's gradient norm (~0.4): every step is clipped
-    res = _practice(gloo_pool(ranks), clipped=dict(clip=clip), plain={})
-    ref, plain = reference("gpt", "float64", clip=clip, steps=2), reference("gpt", "float64", steps=2)
+    res = _practice(gloo_pool(ranks), clipped=dict(clip_norm=clip), plain={})
+    ref, plain = reference("gpt", "float64", clip_norm=clip, steps=2), reference("gpt", "float64", steps=2)
     assert max_diff(ref.params, plain.params) > 1e-6  # clipping mattered
     for (stage, impl, variant), r in res.items():
         if variant == "plain":
@@ -314,7 +314,7 @@ def test_global_norm_clipping_over_shards_matches_clip_grad_norm_on_one_process(
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_reducing_in_bf16_halves_the_bytes_and_costs_precision_against_float64(gloo_pool, reference, ranks):
-    settings = {rd: dict(dtype="float32", steps=3, reduce_dtype=rd) for rd in (None, "fp32", "bf16")}
+    settings = {rd: dict(precision="float32", steps=3, reduce_dtype=rd) for rd in (None, "fp32", "bf16")}
     res = _practice(gloo_pool(ranks), **{str(rd): s for rd, s in settings.items()})
     ref = reference("gpt", "float64")
 
@@ -348,7 +348,7 @@ def test_activation_checkpointing_keeps_less_and_trains_the_same(gloo_pool, refe
 # --- memory in bf16-mixed -----------------------------------------------------------------------------
 
 def test_activations_are_not_sharded_and_bf16_mixed_holds_2_2_12(gloo_pool):
-    reports = run_many([RunConfig(model="gpt", dtype="bf16-mixed", stage=s, steps=1) for s in range(4)], gloo_pool(2))
+    reports = run_many([RunConfig(model="gpt", precision="bf16-mixed", stage=s, steps=1) for s in range(4)], gloo_pool(2))
     for rank in range(2):
         acts = {rep.config.stage: rep.ranks[rank].activation_bytes for rep in reports}
         assert len(set(acts.values())) == 1 and acts[0] > 0, acts  # the same at every stage

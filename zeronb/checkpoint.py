@@ -34,7 +34,7 @@ import torch.distributed.checkpoint as dcp
 
 
 INFO = "zeronb.json"
-STRUCTURE = ("stage", "impl", "model", "dtype", "optimizer")  # what a resume must share with the saved run
+STRUCTURE = ("stage", "impl", "model", "precision", "optimizer")  # what a resume must share with the saved run
 
 
 # --- save, load, read, export ---------------------------------------------------------------------------

@@ -8,15 +8,15 @@ def practice_variants(k: int = 4) -> dict:
     """Training in practice, per stage: what each variant `bench zero` measures beside the plain
     step changes in the run (accumulation over k micro-batches, synced every micro-batch or after
     the last; gradients reduced in bf16)."""
-    return {"plain": {}, f"accum {k}, every": dict(grad_accum=k, accum_sync="every"),
-            f"accum {k}, last": dict(grad_accum=k, accum_sync="last"), "bf16 reduce": dict(reduce_dtype="bf16")}
+    return {"plain": {}, f"accum {k}, every": dict(grad_accum=k, sync_each_micro_batch=True),
+            f"accum {k}, last": dict(grad_accum=k, sync_each_micro_batch=False), "bf16 reduce": dict(reduce_dtype="bf16")}
 
 
 def _configs(models, stages, rounds, steps, dtype, variants) -> list:
     """Every (model, stage, variant), `rounds` times, interleaved: [(key, RunConfig)]."""
     from ..train.runs import RunConfig
 
-    return [((model, stage, name), RunConfig(model=model, stage=stage, steps=steps, dtype=dtype, **changes))
+    return [((model, stage, name), RunConfig(model=model, stage=stage, steps=steps, precision=dtype, **changes))
             for _ in range(rounds) for model in models for stage in stages for name, changes in variants.items()]
 
 

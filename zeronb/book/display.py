@@ -23,7 +23,21 @@ def show_source(obj) -> None:
     """Print the source of a function or class of zeronb, with the file and lines it comes from,
     so that a chapter shows the code that really runs rather than a copy of it."""
     lines, start = inspect.getsourcelines(obj)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above zeronb/
     path = os.path.relpath(inspect.getsourcefile(obj), root)
     print(f"# {path}, lines {start}-{start + len(lines) - 1}")
     print(textwrap.dedent("".join(lines)), end="")
+
+
+def kib(nbytes, digits: int = 1) -> str:
+    """A byte count in KiB, as the chapters' tables print it: thousands separated, one decimal."""
+    return f"{nbytes / 1024:,.{digits}f}"
+
+
+NOT_COUNTED = "(not counted: NCCL)"
+
+
+def wire_text(nbytes, spec: str = "") -> str:
+    """A count of bytes on the wire for a table: the number (formatted with spec), or a note when
+    the operating system counted nothing (None: NCCL's traffic, or not Linux)."""
+    return NOT_COUNTED if nbytes is None else format(nbytes, spec)

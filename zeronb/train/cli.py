@@ -27,7 +27,8 @@ def _parse(argv):
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=d.stage)
     p.add_argument("--nproc", type=int, default=2, help="ranks to start (ignored under torchrun)")
     p.add_argument("--model", choices=["mlp", "gpt"], default=d.model)
-    p.add_argument("--dtype", choices=["float32", "float64", "bf16-mixed"], default=d.dtype)
+    p.add_argument("--precision", "--dtype", choices=["float32", "float64", "bf16-mixed"], default=d.precision,
+                   help="float32, float64, or bf16-mixed (bf16 compute, fp32 master weights); --dtype: the same")
     p.add_argument("--optimizer", choices=["adam", "sgd"], default=d.optimizer,
                    help="Adam, or plain SGD (no momentum): parity under SGD shows a mis-scaled gradient")
     p.add_argument("--steps", type=int, default=d.steps)
@@ -39,10 +40,10 @@ def _parse(argv):
     p.add_argument("--grad-accum", type=int, default=d.grad_accum, metavar="K",
                    help="split each rank's share of --global-batch into K micro-batches; the result is still "
                         "one step on the whole global batch")
-    p.add_argument("--accum-sync", choices=["every", "last"], default=d.accum_sync,
+    p.add_argument("--accum-sync", choices=["every", "last"], default="every",
                    help="with --grad-accum: communicate gradients after every micro-batch, or only after the "
                         "last (DDP's no_sync; ZeRO-2/3 keep the full gradients until then)")
-    p.add_argument("--clip", type=float, default=None, metavar="NORM",
+    p.add_argument("--clip", dest="clip_norm", type=float, default=None, metavar="NORM",
                    help="clip by the global gradient norm, as torch.nn.utils.clip_grad_norm_ would on one "
                         "process holding the whole model")
     p.add_argument("--reduce-dtype", choices=["fp32", "bf16"], default=None,
@@ -78,7 +79,8 @@ def _parse(argv):
     args = p.parse_args(argv)
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     try:
-        config = RunConfig(**{k: v for k, v in vars(args).items() if k in fields})
+        config = RunConfig(**{k: v for k, v in vars(args).items() if k in fields},
+                           sync_each_micro_batch=args.accum_sync == "every")
     except ValueError as e:
         p.error(str(e))
     return config, args
@@ -97,7 +99,7 @@ def main(argv=None) -> int:
         r0 = report.ranks[0]
         sent, wire = sum(r0.sent_bytes_per_step.values()), r0.wire_bytes_per_step
         on_wire = f" ({wire / 1024:.1f} KiB on the wire)" if wire is not None else ""
-        print(f"stage {config.stage} ({config.impl}), {report.world_size} rank(s), {config.model}, {config.dtype}, "
+        print(f"stage {config.stage} ({config.impl}), {report.world_size} rank(s), {config.model}, {config.precision}, "
               f"{config.optimizer}: final loss {report.final_loss:.6f}; rank 0 holds {sum(r0.bytes.values()) / 1024:.1f} "
               f"KiB of model states, sent {sent / 1024:.1f} KiB{on_wire} in the last step, {r0.step_ms:.1f} ms/step")
     if dist.is_initialized() and "RANK" in os.environ:

@@ -61,7 +61,7 @@ def train_rank(config: RunConfig, build=None) -> RankReport:
         checkpoint.save(stage, config.checkpoint, {**config.settings(), "steps_done": config.steps})
     loss = torch.tensor([losses[-1]], dtype=torch.float64, device=dev)
     dist.all_reduce(loss)  # equal local batches: the mean of local losses is the global batch's loss
-    psi, per_parameter = num_params(model), memory.bytes_per_parameter(config.dtype, config.optimizer)
+    psi, per_parameter = num_params(model), memory.bytes_per_parameter(config.precision, config.optimizer)
     # the median unobserved step after the first (which warms up); the observed one if none other ran
     step_ms = statistics.median(times[1:] or times) * 1e3 if times else observed_ms
     timeline = traced[0] if traced else None
@@ -71,7 +71,7 @@ def train_rank(config: RunConfig, build=None) -> RankReport:
         expected_bytes=memory.model_state_breakdown(psi, stage.shards, config.stage, *per_parameter),
         sent_bytes_per_step=dict(ledger.by_op), calls_per_step=dict(ledger.calls), wire_bytes_per_step=ledger.wire_bytes,
         wire_within_node=(ledger.wire_by_node or {}).get("within"), wire_across_nodes=(ledger.wire_by_node or {}).get("across"),
-        grad_norm=stage.last_grad_norm if config.clip is not None else None,
+        grad_norm=stage.last_grad_norm if config.clip_norm is not None else None,
         activation_bytes=step_memory.activation_bytes,
         grad_bytes_after_micro_batch=step_memory.grad_bytes_after_micro_batch, grads=gradients.pieces,
         timeline=timeline.spans() if timeline else None, events=timeline.records() if timeline else None,

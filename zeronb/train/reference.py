@@ -25,7 +25,7 @@ def train_single(config: RunConfig, device=None) -> RunReport:
     if config.activation_checkpointing:
         checkpoint_activations(model)
     params = list(model.parameters())
-    mixed = config.dtype == "bf16-mixed"
+    mixed = config.precision == "bf16-mixed"
     master = [p.detach().float().clone() for p in params] if mixed else params
     optimizer_class = torch.optim.Adam if config.optimizer == "adam" else torch.optim.SGD
     opt = optimizer_class(master, lr=config.lr, foreach=False)
@@ -46,8 +46,8 @@ def train_single(config: RunConfig, device=None) -> RunReport:
         if mixed:
             for m, p in zip(master, params):
                 m.grad = p.grad.float()
-        if config.clip is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(master, config.clip).item()
+        if config.clip_norm is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(master, config.clip_norm).item()
         opt.step()
         if mixed:
             with torch.no_grad():
@@ -69,7 +69,7 @@ def train_single(config: RunConfig, device=None) -> RunReport:
     report = RankReport(
         rank=0, device=str(dev), num_params=psi, steps_taken=config.steps, final_loss=losses[-1],
         step_ms=statistics.median(steady) * 1e3, bytes=memory.measure(**state),
-        expected_bytes=memory.model_state_breakdown(psi, 1, 0, *memory.bytes_per_parameter(config.dtype, config.optimizer)),
+        expected_bytes=memory.model_state_breakdown(psi, 1, 0, *memory.bytes_per_parameter(config.precision, config.optimizer)),
         sent_bytes_per_step={}, calls_per_step={}, grad_norm=grad_norm, activation_bytes=saved["bytes"], grads=grads,
         params={n: p.detach().cpu().clone() for n, p in model.named_parameters()}, **memory.cuda_memory(dev))
     return RunReport(config, 1, [report], report.params)

@@ -2,7 +2,7 @@
 process - and `run_many`, several runs on the same ranks. (`python -m zeronb.train`, zeronb.train.cli,
 is the same from the command line.)
 
-    python -m zeronb.train --stage 2 --nproc 4 --model gpt --dtype float64 --steps 5 --report r.json
+    python -m zeronb.train --stage 2 --nproc 4 --model gpt --precision float64 --steps 5 --report r.json
     torchrun --nproc-per-node 4 -m zeronb.train --stage 3 --model mlp    # joins torchrun's group
 
 Stage 0 is data parallelism (DDP); `--nproc 1 --stage 0` is plain single-process training on the

@@ -2,7 +2,7 @@
 and the run as a whole (`RunReport`). `python -m zeronb.train`'s flags parse into a RunConfig;
 notebooks, tests, the exercises and the benchmarks build one with keywords:
 
-    report = zeronb.train.run(RunConfig(stage=3, model="gpt", dtype="float64", steps=5))
+    report = zeronb.train.run(RunConfig(stage=3, model="gpt", precision="float64", steps=5))
     report.ranks[0].sent_bytes_per_step, report.params
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ class RunConfig:
     stage: int = 0                  # 0 (DDP) .. 3
     nproc: Optional[int] = None     # ranks of a new pool (None: 2, or the size of the pool given to run)
     model: str = "mlp"              # "mlp" or "gpt" (zeronb.models)
-    dtype: str = "float32"          # "float32", "float64", "bf16-mixed" (zeronb.precision)
+    precision: str = "float32"      # "float32", "float64", "bf16-mixed" (zeronb.precision)
     optimizer: str = "adam"         # "adam" or "sgd"
     steps: int = 5
     seed: int = 0
@@ -36,8 +36,8 @@ class RunConfig:
     reshard_after_forward: bool = True  # stage 3: free a unit's parameters after its forward
     wrap: str = "units"             # stage 3: the units gathered together (zeronb.models.choose_units)
     grad_accum: int = 1             # micro-batches per rank and step
-    accum_sync: str = "every"       # with grad_accum: communicate gradients after "every" micro-batch or the "last"
-    clip: Optional[float] = None    # clip the whole model's gradient to this 2-norm
+    sync_each_micro_batch: bool = True  # with grad_accum: communicate gradients after every micro-batch (False: the last)
+    clip_norm: Optional[float] = None   # clip the whole model's gradient to this 2-norm
     reduce_dtype: Optional[str] = None   # None (the gradients' own), "fp32" or "bf16"
     reduce_scatter: str = "torch"   # "torch" (the backend's) or "ring" (zeronb's)
     activation_checkpointing: bool = False
@@ -68,11 +68,11 @@ class RunConfig:
 
         choice("stage", self.stage, (0, 1, 2, 3))
         choice("model", self.model, ("mlp", "gpt"))
-        choice("dtype", self.dtype, ("float32", "float64", "bf16-mixed"))
+        choice("precision", self.precision, ("float32", "float64", "bf16-mixed"))
         choice("optimizer", self.optimizer, OPTIMIZERS)
         choice("impl", self.impl, ("zeronb", "torch"))
         choice("wrap", self.wrap, WRAPS)
-        choice("accum_sync", self.accum_sync, ("every", "last"))
+        choice("sync_each_micro_batch", self.sync_each_micro_batch, (True, False))
         choice("reduce_dtype", self.reduce_dtype, tuple(REDUCE_DTYPES))
         choice("reduce_scatter", self.reduce_scatter, REDUCE_SCATTERS)
         choice("shard_group", self.shard_group, ("world", "node"))
@@ -82,11 +82,11 @@ class RunConfig:
             bad.append(f"nproc must be a positive number of ranks, not {self.nproc!r}")
         if self.steps < 1:
             bad.append("steps must be at least 1")
-        if self.clip is not None and not self.clip > 0:
-            bad.append(f"clip must be a positive norm, not {self.clip}")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            bad.append(f"clip_norm must be a positive norm, not {self.clip_norm}")
         if self.grad_accum < 1 or self.global_batch % self.grad_accum:
             bad.append(f"grad_accum must be a positive divisor of global_batch ({self.global_batch}), not {self.grad_accum}")
-        if self.impl == "torch" and self.dtype == "bf16-mixed":
+        if self.impl == "torch" and self.precision == "bf16-mixed":
             bad.append("impl 'torch' runs float32 or float64 (the comparison is about the algorithm, not precision)")
         if self.impl == "torch" and (self.prefetch or not self.reshard_after_forward or self.wrap != "units"
                                      or self.reduce_scatter != "torch"):
@@ -138,19 +138,19 @@ class RunConfig:
 
     def settings(self) -> dict:
         """What a checkpoint records of the run (a resume must share checkpoint.STRUCTURE)."""
-        return {k: getattr(self, k) for k in ("stage", "impl", "model", "dtype", "optimizer", "seed",
+        return {k: getattr(self, k) for k in ("stage", "impl", "model", "precision", "optimizer", "seed",
                                               "global_batch", "lr")}
 
     def model_config(self) -> Config:
         return Config(kind=self.model, seed=self.seed, global_batch=self.global_batch)
 
     def torch_dtype(self) -> torch.dtype:
-        return precision(self.dtype).dtype
+        return precision(self.precision).dtype
 
     def stage_config(self, shard_group=None, replica_group=None) -> StageConfig:
-        return StageConfig(precision=self.dtype, optimizer=self.optimizer, lr=self.lr, clip_norm=self.clip,
+        return StageConfig(precision=self.precision, optimizer=self.optimizer, lr=self.lr, clip_norm=self.clip_norm,
                            reduce_dtype=REDUCE_DTYPES[self.reduce_dtype],
-                           sync_each_micro_batch=self.accum_sync == "every", reduce_scatter=self.reduce_scatter,
+                           sync_each_micro_batch=self.sync_each_micro_batch, reduce_scatter=self.reduce_scatter,
                            shard_group=shard_group, replica_group=replica_group)
 
     def replace(self, **changes) -> "RunConfig":

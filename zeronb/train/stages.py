@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..models import choose_units
 from ..runtime.groups import node_groups, sharding_groups
 from ..zero import STAGES, ZeROPlusPlus
-from ..zero.torch_impls import TorchStage
+from ..zero.torch_impls import torch_stage
 from .runs import RunConfig
 
 
@@ -19,7 +19,7 @@ def build_stage(config: RunConfig, model, build=None):
     if build is not None:
         return build(model, stage_config)
     if config.impl == "torch":
-        return TorchStage(model, config.stage, stage_config, hpz=config.hpz)
+        return torch_stage(model, config.stage, stage_config, hpz=config.hpz)
     if config.stage != 3:
         return STAGES[config.stage](model, stage_config)
     zero3 = dict(prefetch=config.prefetch, reshard_after_forward=config.reshard_after_forward,

@@ -8,7 +8,7 @@ bucket instead of one per parameter - and chunk r of it is rank r's shard.
 During backward a bucket also keeps track of its gradients: which have landed (`ready`), the
 collective in flight (`work`, carrying the flat tensor `comm`), and where the result goes (`grad`,
 a flat buffer of the full gradients, for DDP and ZeRO-1; `grad_shard`, this rank's chunk of the
-summed gradients, for ZeRO-2 and ZeRO-3).
+summed gradients, for ZeRO-1 during a step and for ZeRO-2 and ZeRO-3).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class Bucket:
         # the gradients, during a step
         self.ready = set()       # parameters whose gradient has landed in this backward
         self.grad = None         # the full gradients, flat (DDP, ZeRO-1): `keep_grads_flat`
-        self.grad_shard = None   # this rank's chunk of the summed gradients (ZeRO-2, ZeRO-3)
+        self.grad_shard = None   # this rank's chunk of the summed gradients (ZeRO-1, -2, -3)
         self.comm = None         # the flat tensor a collective is carrying
         self.work = None         # that collective, while it is in flight
 

@@ -41,9 +41,8 @@ class NaiveDDP(FlatStage):
 
     def step(self):
         for p in self.params:
-            dist.all_reduce(p.grad, group=self.shard_group)  # the sum over the ranks ...
-            p.grad /= self.shards                            # ... and the average
-        self.update(self.average_([p.grad for p in self.params], divided=self.shards))  # (replicas, if any)
+            dist.all_reduce(self.divided_(p.grad), group=self.shard_group)  # the sum of g/N: the average
+        self.update(self.sum_over_replicas_([p.grad for p in self.params]))
         for p in self.params:
             p.grad = None
 
@@ -72,11 +71,11 @@ class DDP(FlatStage):
             self.all_reduce_bucket(b)
 
     def all_reduce_bucket(self, b):
-        """Start the bucket's all-reduce, of its gradients divided by N first, as PyTorch's DDP does
-        (dividing first keeps a sum of fp16 gradients from overflowing): the sum that comes back is
-        the average. With accumulation, the next micro-batch's backward adds into that average, and
-        dividing and summing again adds its own average to it. In reduce_dtype if one is set."""
-        b.grad.div_(self.shards)
+        """Start the bucket's all-reduce, of its gradients divided by N first (`divided_`): the sum
+        that comes back is the average. With accumulation, the next micro-batch's backward adds
+        into that average, and dividing and summing again adds its own average to it. In
+        reduce_dtype if one is set."""
+        self.divided_(b.grad)
         dtype = self.config.reduce_dtype
         b.comm = b.grad if dtype in (None, b.grad.dtype) else b.grad.to(dtype)
         b.work = dist.all_reduce(b.comm, group=self.shard_group, async_op=True)
@@ -98,8 +97,7 @@ class DDP(FlatStage):
 
     def step(self):
         self._wait()
-        grads = self.average_([b.grad for b in self.buckets], divided=self.shards)  # (replicas, if any)
-        self.update(grads)
+        self.update(self.sum_over_replicas_([b.grad for b in self.buckets]))
         for b in self.buckets:
             b.grad.zero_()
 

@@ -302,3 +302,23 @@ class Gradients:
     def __call__(self, stage, event, where):
         if event == "optimizer step":
             self.pieces = {n: (a, b, v.detach().clone()) for n, (a, b, v) in stage.shard_pieces(where).items()}
+
+
+def relative_spans(spans, origin: float | None = None) -> list:
+    """A Timeline's spans [(what, key, start, end)] with their times counted from `origin` (seconds,
+    the spans' clock; by default the earliest start, e.g. a ZeRO-3 step's first all-gather)."""
+    if origin is None:
+        origin = min((start for _, _, start, _ in spans), default=0.0)
+    return [(what, k, start - origin, end - origin) for what, k, start, end in spans]
+
+
+def gathered(notes, shard: int) -> list:
+    """The full parameters a ZeRO-3 rank has gathered after each hook: zero3_parameters(notes) less
+    `shard`, the bytes of its own shards (what it holds between steps, RankReport.bytes["params"]):
+    [(label, bytes)]."""
+    return [(label, held - shard) for label, held in zero3_parameters(notes)]
+
+
+def peak_gathered(notes, shard: int) -> int:
+    """The most bytes of full parameters alive at once during the step: the peak of gathered()."""
+    return max((nbytes for _, nbytes in gathered(notes, shard)), default=0)

@@ -21,11 +21,10 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ..runtime.groups import device_mesh
-from ..runtime.compat import all_gather_single, dtensor
-from ..shards import shard_numel
+from ..runtime.compat import all_gather_single
 from .buckets import reduce_scatter_into
 from .config import StageConfig
+from .saving import FlatSaving
 
 
 _attached = weakref.WeakSet()  # the models a stage has hooked: a second stage would double the hooks
@@ -164,7 +163,7 @@ class Stage:
         return None
 
 
-class FlatStage(Stage):
+class FlatStage(FlatSaving, Stage):
     """zeronb's stages: parameters in flat buckets (`self.buckets`), and one optimizer over
     `self.optimizer.shards`, shard i belonging to bucket i: the bucket itself when every rank
     updates everything (DDP, `sharded = False`), this rank's chunk of it otherwise."""
@@ -197,7 +196,7 @@ class FlatStage(Stage):
         """The bucket's gradients move into one flat tensor, which is reduce-scattered into this
         rank's shard, `b.grad_shard` (added to what is there); then that tensor goes too: only the
         shard remains. In reduce_dtype if one is set; through zeronb's ring if config says so."""
-        b.comm = b.take_grads()
+        b.comm = self.divided_(b.take_grads())
         self.tell("reduce-scatter", b)
         reduce_scatter_into(b.grad_shard, b.comm, dtype=self.config.reduce_dtype, group=self.shard_group,
                             ring=self.config.reduce_scatter == "ring")
@@ -210,11 +209,19 @@ class FlatStage(Stage):
             all_gather_single(b.data, b.chunk(self.rank).clone(), group=self.shard_group)
             self.tell("gathered", b)
 
-    def average_(self, grads: list, divided: int = 1) -> list:
-        """In place: the gradients summed over the replicas (ranks that hold the same shards, if
-        any: only shards travel; in reduce_dtype if one is set) and divided by the number of ranks
-        that contributed, the average gradient (gloo has no AVG reduction). `divided`: by what they
-        were divided already."""
+    def divided_(self, grads: torch.Tensor) -> torch.Tensor:
+        """In place, just before gradients leave for their first collective: divided by the number
+        of ranks whose gradients are averaged (shards x replicas), as PyTorch's DDP and FSDP do.
+        Every sum that comes back is then an average, and a sum of many low-precision gradients
+        cannot overflow. The one place zeronb's stages divide: by hand, so that every torch version
+        and backend the course supports behaves the same (gloo's ReduceOp.AVG arrived in 2025,
+        pytorch/pytorch#149781: older torch lacks it)."""
+        return grads.div_(self.data_parallel)
+
+    def sum_over_replicas_(self, grads: list) -> list:
+        """In place: the (already divided) gradients summed over the replicas, the ranks that hold
+        the same shards (HSDP; nothing without replicas). Only shards travel; in reduce_dtype if
+        one is set."""
         if self.replica_group is not None:
             dtype = self.config.reduce_dtype
             for g in grads:
@@ -222,9 +229,6 @@ class FlatStage(Stage):
                 dist.all_reduce(send, group=self.replica_group)
                 if send is not g:
                     g.copy_(send)
-        if self.data_parallel != divided:
-            for g in grads:
-                g.div_(self.data_parallel // divided)
         return grads
 
     def update(self, grads: list) -> None:
@@ -235,47 +239,3 @@ class FlatStage(Stage):
     @property
     def last_grad_norm(self):
         return self.optimizer.last_grad_norm
-
-    def shard_pieces(self, tensors):
-        out = {}
-        for bucket, t in zip(self.buckets, tensors):
-            out.update(bucket.pieces(t.reshape(-1), self.names, self.rank if self.sharded else None))
-        return out
-
-    def checkpoint_state(self):
-        """The flat buckets' shards, as 1-D DTensors of the whole bucket (sharded) or the buckets
-        themselves: the stage's own tensors (views of its shards and of the optimizer's state), so
-        that torch.distributed.checkpoint loads straight into them."""
-        if self.replica_group is not None:
-            raise ValueError("a checkpoint of a stage with a replica group (HSDP) is not supported; save from a "
-                             "run sharded over all of its ranks")
-        opt = self.optimizer
-        opt.init_state()  # (a no-op after the first step; before it, what loading writes into)
-        DTensor, Shard, _ = dtensor()
-        state = {}
-        for i, (bucket, shard) in enumerate(zip(self.buckets, opt.shards)):
-            per_element = {k: v for k, v in opt.state_of(i).items() if k != "step"}  # Adam's moments; SGD: none
-            kinds = {"params": shard, **per_element, **({"master": opt.master[i]} if opt.mixed else {})}
-            for kind, t in kinds.items():
-                if self.sharded:  # this rank's chunk, less its padding: torch.chunk's piece of the bucket
-                    local = t[:shard_numel(bucket.numel, self.shards, self.rank)]
-                    state[f"{bucket.name}.{kind}"] = DTensor.from_local(
-                        local, device_mesh(self.shards, group=self.shard_group), [Shard(0)], run_check=False,
-                        shape=(bucket.numel,), stride=(1,))
-                else:  # the whole bucket, the same on every rank
-                    state[f"{bucket.name}.{kind}"] = t[:bucket.numel]
-            if "step" in opt.state_of(i):
-                state["optimizer.step"] = opt.state_of(i)["step"]  # every bucket's: the same count
-        return state
-
-    def load_checkpoint_state(self, state):
-        if "optimizer.step" in state:  # what loading could not write in place: into every shard's state
-            for s in self.optimizer.states():
-                s["step"].copy_(state["optimizer.step"])
-        self.after_load()
-
-    def after_load(self) -> None:
-        """After a checkpoint was loaded into the shards: make the rest of the state agree with them."""
-
-    def checkpoint_layout(self):
-        return {b.name: [[self.names[p], list(p.shape)] for p in b.params] for b in self.buckets}

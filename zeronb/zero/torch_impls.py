@@ -1,11 +1,14 @@
 """PyTorch's own counterparts of the stages, behind the same Stage interface as zeronb.zero's, so
 that `python -m zeronb.train --impl torch` and the chapters can run them side by side.
 
-    stage 0: torch.nn.parallel.DistributedDataParallel
-    stage 1: DDP + torch.distributed.optim.ZeroRedundancyOptimizer
-    stage 2: FSDP2 fully_shard(reshard_after_forward=False)   (parameters stay gathered until backward)
-    stage 3: FSDP2 fully_shard(reshard_after_forward=True)
+    stage 0: TorchDDP    torch.nn.parallel.DistributedDataParallel
+    stage 1: TorchZeRO1  DDP + torch.distributed.optim.ZeroRedundancyOptimizer
+    stage 2: TorchFSDP   FSDP2 fully_shard(reshard_after_forward=False)   (parameters stay gathered until backward)
+    stage 3: TorchFSDP   FSDP2 fully_shard(reshard_after_forward=True)
     with a replica group (HSDP): FSDP2 on a 2-D mesh, replicas on dimension 0, shards on dimension 1
+
+One class per counterpart, each applying PyTorch's wrapper in its constructor (as torchtitan applies
+each parallelism in its own function); `torch_stage(model, stage, config)` picks one by stage.
 
 DDP all-reduces from C++, out of sight of zeronb.ledger; a communication hook that calls
 dist.all_reduce from Python (what DDP's default hook does: divide by N, then all-reduce the sum)
@@ -13,13 +16,21 @@ makes it visible.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
 
 from .. import memory
 from ..runtime.backend import device
 from ..runtime.groups import device_mesh
 from ..runtime.compat import dtensor, fsdp2_unsharded_grads, fully_shard, mixed_precision_policy
+from ..runtime.topology import Topology
+from .optim import init_state
 from .stage import Stage
 
 
@@ -41,45 +52,131 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _optimizer_class(config):
+    return torch.optim.Adam if config.optimizer == "adam" else torch.optim.SGD
+
+
 class TorchStage(Stage):
+    """What PyTorch's counterparts share: the wrapped model computes the loss, the optimizer is
+    torch's own (on the whole model, or on this rank's part of it), clipping is torch's."""
+
+    def __init__(self, model, config=None, observers=()):
+        super().__init__(model, config, observers)
+        self._norm = None
+
+    def loss(self, x, y):
+        return self.model.loss(self.wrapped(x), y)
+
+    def detach(self):
+        raise ValueError("PyTorch's DDP and fully_shard cannot be taken off a model: build a new model "
+                         "(zeronb.models.make_model) for another stage")
+
+    def step(self):
+        params = list(self.model.parameters())
+        self.tell("optimizer step", [p.grad for p in params])  # (before clipping, as zeronb's stages tell it)
+        if self.config.clip_norm is not None:  # FSDP2's gradients are DTensors: the norm over every shard
+            self._norm = torch.nn.utils.clip_grad_norm_(params, self.config.clip_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)  # (the gradients stay allocated, as DDP's buckets do)
+
+    @property
+    def last_grad_norm(self):
+        return None if self._norm is None else _full(self._norm).item()
+
+    def full_parameters(self):
+        return {name: _full(p).detach().clone() for name, p in self.model.named_parameters()}
+
+    def state_tensors(self):
+        return {"params": list(self.model.parameters()), "grads": [p.grad for p in self.model.parameters()],
+                "optimizer": memory.optimizer_tensors(self.optimizer)}
+
+    def shard_pieces(self, tensors):
+        """Whole gradients, one per parameter."""
+        return {name: (0, t.numel(), t.reshape(-1)) for (name, _), t in zip(self.model.named_parameters(), tensors)}
+
+    def checkpoint_state(self):
+        """The model's and optimizer's state dicts as DCP expects them (torch.distributed.checkpoint.state_dict)."""
+        return {"model": get_model_state_dict(self.model), "optim": get_optimizer_state_dict(self.model, self.optimizer)}
+
+    def load_checkpoint_state(self, state):
+        set_model_state_dict(self.model, state["model"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+
+
+class TorchDDP(TorchStage):
+    """Stage 0: DistributedDataParallel, its all-reduce through `_allreduce_hook` (so the ledger counts it)."""
+
+    stage = 0
+
+    def __init__(self, model, config=None, observers=()):
+        super().__init__(model, config, observers)
+        dev = device()
+        group = None if self.replica_group is not None else self.shard_group  # every replica averages
+        self.wrapped = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                                               process_group=group)
+        self.wrapped.register_comm_hook((self.config.reduce_dtype, group), _allreduce_hook)
+        self.optimizer = self.make_optimizer()
+        self.claim_model()
+
+    def make_optimizer(self):
+        return _optimizer_class(self.config)(self.model.parameters(), lr=self.config.lr, foreach=False)
+
+    def gradient_sync(self, sync):
+        """Skipping the gradient sync on all but the last micro-batch: DDP's `no_sync()`."""
+        return contextlib.nullcontext() if sync else self.wrapped.no_sync()
+
+
+class TorchZeRO1(TorchDDP):
+    """Stage 1: DDP's all-reduce, and ZeroRedundancyOptimizer: each rank keeps the optimizer state
+    of its share of the parameters, steps them, and broadcasts them to the others."""
+
+    stage = 1
+
+    def make_optimizer(self):
+        return ZeroRedundancyOptimizer(self.model.parameters(), optimizer_class=_optimizer_class(self.config),
+                                       process_group=self.shard_group, lr=self.config.lr, foreach=False)
+
+    def state_tensors(self):
+        held = super().state_tensors()
+        held["optimizer"] = memory.optimizer_tensors(self.optimizer.optim)  # its local optimizer: this rank's share
+        return held
+
+    def checkpoint_state(self):
+        """ZeroRedundancyOptimizer keeps the state of the parameters this rank owns, in its local
+        optimizer: saved under their names, loaded in place by whichever rank owns them then."""
+        local = self.optimizer.optim
+        init_state(local)
+        names = {p: n for n, p in self.model.named_parameters()}
+        owned = {f"optim.{names[p]}.{k}": v for group in local.param_groups for p in group["params"]
+                 for k, v in local.state[p].items()}
+        return {"model": get_model_state_dict(self.model), **owned}
+
+    def load_checkpoint_state(self, state):
+        set_model_state_dict(self.model, state["model"])  # (the optimizer's states were loaded in place)
+
+
+class TorchFSDP(TorchStage):
+    """Stages 2 and 3: FSDP2's `fully_shard` on every unit and on the whole model."""
+
     def __init__(self, model, stage: int, config=None, observers=(), reshard_last_unit: bool = True,
                  hpz: bool = False):
-        """`reshard_last_unit` (FSDP2, stage 3): False keeps the last unit's parameters gathered from
-        its forward to its backward, as zeronb's ZeRO-3 does. `hpz` (stage 3): after forward, reshard
+        """`reshard_last_unit` (stage 3): False keeps the last unit's parameters gathered from its
+        forward to its backward, as zeronb's ZeRO-3 does. `hpz` (stage 3): after forward, reshard
         each unit to the ranks of one node (reshard_after_forward=g), so that backward gathers within
         the node: FSDP2's counterpart of ZeRO++'s hpZ."""
         super().__init__(model, config, observers)
-        self.stage, cfg, dev = stage, self.config, device()
-        optimizer_class = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.SGD
-        self._norm = None
-        if stage in (0, 1):
-            from torch.nn.parallel import DistributedDataParallel
-
-            group = None if self.replica_group is not None else self.shard_group  # every replica averages
-            self.wrapped = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
-                                                   process_group=group)
-            self.wrapped.register_comm_hook((cfg.reduce_dtype, group), _allreduce_hook)
-            if stage == 0:
-                self.optimizer = optimizer_class(model.parameters(), lr=cfg.lr, foreach=False)
-            else:
-                from torch.distributed.optim import ZeroRedundancyOptimizer
-
-                self.optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class,
-                                                         process_group=self.shard_group, lr=cfg.lr, foreach=False)
-        else:
-            if self.shard_group is not None and self.replica_group is None:
-                raise ValueError("FSDP2 here shards over all ranks, or over groups of consecutive ranks with "
-                                 "replicas (zeronb.runtime.groups.sharding_groups)")
-            mesh = device_mesh(self.shards, self.data_parallel // self.shards)
-            reshard = stage == 3
-            if hpz:
-                from ..runtime.topology import Topology
-
-                if stage != 3 or Topology.from_env().nodes == 1:
-                    raise ValueError("hpz is stage 3's, and needs a pool on several nodes")
-                reshard = Topology.from_env().per_node  # the node's ranks: backward gathers within it
-            self.wrapped = self.fully_shard(model, mesh, reshard, reshard_last_unit)
-            self.optimizer = optimizer_class(model.parameters(), lr=cfg.lr, foreach=False)
+        self.stage = stage
+        if self.shard_group is not None and self.replica_group is None:
+            raise ValueError("FSDP2 here shards over all ranks, or over groups of consecutive ranks with "
+                             "replicas (zeronb.runtime.groups.sharding_groups)")
+        mesh = device_mesh(self.shards, self.data_parallel // self.shards)
+        reshard = stage == 3
+        if hpz:
+            if stage != 3 or Topology.from_env().nodes == 1:
+                raise ValueError("hpz is stage 3's, and needs a pool on several nodes")
+            reshard = Topology.from_env().per_node  # the node's ranks: backward gathers within it
+        self.wrapped = self.fully_shard(model, mesh, reshard, reshard_last_unit)
+        self.optimizer = _optimizer_class(self.config)(model.parameters(), lr=self.config.lr, foreach=False)
         self.claim_model()
 
     def fully_shard(self, model, mesh, reshard_after_forward: bool | int, reshard_last_unit: bool = True):
@@ -94,50 +191,20 @@ class TorchStage(Stage):
         shard(model, mesh=mesh, reshard_after_forward=bool(reshard_after_forward), **kw)
         return model
 
-    def detach(self):
-        raise ValueError("PyTorch's DDP and fully_shard cannot be taken off a model: build a new model "
-                         "(zeronb.models.make_model) for another stage")
-
-    def loss(self, x, y):
-        return self.model.loss(self.wrapped(x), y)
-
     def gradient_sync(self, sync):
-        """Skipping the gradient sync on all but the last micro-batch: DDP's `no_sync()`, FSDP2's
-        `set_requires_gradient_sync(False)`."""
-        import contextlib
-
-        if self.stage in (0, 1):
-            return contextlib.nullcontext() if sync else self.wrapped.no_sync()
+        """Skipping the gradient sync on all but the last micro-batch: `set_requires_gradient_sync(False)`."""
         self.model.set_requires_gradient_sync(sync)
         if self.replica_group is not None:  # HSDP: the replicas' all-reduce once per step (MiCS's two hops)
             self.model.set_requires_all_reduce(self.last_micro_batch)
         return contextlib.nullcontext()
 
-    def step(self):
-        params = list(self.model.parameters())
-        self.tell("optimizer step", [p.grad for p in params])  # (before clipping, as zeronb's stages tell it)
-        if self.config.clip_norm is not None:  # FSDP2's gradients are DTensors: the norm over every shard
-            self._norm = torch.nn.utils.clip_grad_norm_(params, self.config.clip_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)  # (the gradients stay allocated, as DDP's buckets do)
-
-    @property
-    def last_grad_norm(self):
-        return None if self._norm is None else _full(self._norm).item()
-
     def state_tensors(self):
-        local = self.optimizer.optim if self.stage == 1 else self.optimizer  # ZeroRedundancyOptimizer: its shard's
-        # FSDP2 accumulating without sync keeps the full gradients apart from the sharded .grad
-        accumulated = fsdp2_unsharded_grads(self.model) if self.stage in (2, 3) else []
-        return {"params": list(self.model.parameters()), "grads": [p.grad for p in self.model.parameters()] + accumulated,
-                "optimizer": memory.optimizer_tensors(local)}
-
-    def full_parameters(self):
-        return {name: _full(p).detach().clone() for name, p in self.model.named_parameters()}
+        held = super().state_tensors()
+        held["grads"] += fsdp2_unsharded_grads(self.model)  # accumulating without sync: full gradients apart
+        return held
 
     def shard_pieces(self, tensors):
-        """DDP and ZeroRedundancyOptimizer: whole gradients. FSDP2: each parameter's dim-0 shard
-        (torch.chunk's rows), a DTensor whose local part this rank holds."""
+        """Each parameter's dim-0 shard (torch.chunk's rows), a DTensor whose local part this rank holds."""
         DTensor, _, _ = dtensor()
         out = {}
         for (name, p), t in zip(self.model.named_parameters(), tensors):
@@ -150,28 +217,12 @@ class TorchStage(Stage):
                 out[name] = (0, t.numel(), t.reshape(-1))
         return out
 
-    def checkpoint_state(self):
-        """The model's and optimizer's state dicts as DCP expects them (torch.distributed.checkpoint.
-        state_dict). ZeroRedundancyOptimizer keeps the state of the parameters this rank owns, in its
-        local optimizer: saved under their names, loaded in place by whichever rank owns them then."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        from .optim import init_state
-
-        if self.stage != 1:
-            return {"model": get_model_state_dict(self.model),
-                    "optim": get_optimizer_state_dict(self.model, self.optimizer)}
-        local = self.optimizer.optim
-        init_state(local)
-        names = {p: n for n, p in self.model.named_parameters()}
-        owned = {f"optim.{names[p]}.{k}": v for group in local.param_groups for p in group["params"]
-                 for k, v in local.state[p].items()}
-        return {"model": get_model_state_dict(self.model), **owned}
-
-    def load_checkpoint_state(self, state):
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-        set_model_state_dict(self.model, state["model"])
-        if self.stage != 1:
-            set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
-        # (ZeroRedundancyOptimizer's states were loaded in place, into its local optimizer)
+def torch_stage(model, stage: int, config=None, observers=(), **fsdp) -> TorchStage:
+    """PyTorch's counterpart of zeronb's stage `stage` (0-3) on `model`; `fsdp`: TorchFSDP's own
+    arguments (reshard_last_unit, hpz) for stages 2 and 3."""
+    if stage in (0, 1):
+        if fsdp.get("hpz"):
+            raise ValueError("hpz is stage 3's, and needs a pool on several nodes")
+        return (TorchDDP if stage == 0 else TorchZeRO1)(model, config, observers)
+    return TorchFSDP(model, stage, config, observers, **fsdp)

@@ -32,7 +32,7 @@ class ZeRO1(FlatStage):
         self.flat.keep_grads_flat()                # 1. the full gradients, accumulated in place by autograd
         self.shard = self.flat.chunk(self.rank)    # the parameters this rank updates
         self.optimizer = ShardOptimizer([self.shard], self.config, group=self.shard_group)  # state for the shard only
-        self.grad_shard = None                     # the summed gradient of the shard, during a step
+        # self.flat.grad_shard: the summed gradient of the shard, during a step only
 
     def end_micro_batch(self):
         if self.sync_now():
@@ -41,18 +41,18 @@ class ZeRO1(FlatStage):
     def _reduce_scatter(self):
         """2. Rank r gets the sum of everyone's chunk r (added to what earlier micro-batches sent, in
         reduce_dtype if one is set: bf16 halves the bytes, and rounds the sums)."""
-        if self.grad_shard is None:
-            self.grad_shard = torch.zeros_like(self.shard)
+        if self.flat.grad_shard is None:
+            self.flat.grad_shard = torch.zeros_like(self.shard)
         self.tell("reduce-scatter", self.flat)
-        reduce_scatter_into(self.grad_shard, self.flat.grad, dtype=self.config.reduce_dtype,
+        reduce_scatter_into(self.flat.grad_shard, self.divided_(self.flat.grad), dtype=self.config.reduce_dtype,
                             group=self.shard_group, ring=self.config.reduce_scatter == "ring")
         self.flat.grad.zero_()  # sent: the next micro-batch's gradients start from zero
         self.tell("reduce-scatter done", self.flat)
 
     def step(self):
         # 3. the optimizer on the owned shard, with its average gradient
-        self.update(self.average_([self.grad_shard]))
-        self.grad_shard = None
+        self.update(self.sum_over_replicas_([self.flat.grad_shard]))
+        self.flat.grad_shard = None
         # 4. all-gather the updated shards into the full parameters
         self.gather_parameters()
 
@@ -60,5 +60,5 @@ class ZeRO1(FlatStage):
         self.gather_parameters()  # every rank's loaded shard
 
     def state_tensors(self):
-        return {"params": [self.flat.data], "grads": [self.flat.grad, self.grad_shard],
+        return {"params": [self.flat.data], "grads": [self.flat.grad, self.flat.grad_shard],
                 "optimizer": self.optimizer.state_tensors()}

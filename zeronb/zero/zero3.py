@@ -27,6 +27,7 @@ references to the same storage, so the tensors it saved for backward see the re-
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -38,13 +39,22 @@ from .stage import FlatStage
 
 # The first unit's inputs (token ids, or a batch that needs no gradient) have no gradient, and
 # PyTorch warns that the unit's full backward hook then fires on its outputs' gradients: which is
-# exactly when ZeRO-3 wants it (before the unit's backward), so the warning is noise here.
-warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect to module outputs")
+# exactly when ZeRO-3 wants it (before the unit's backward), so the warning is noise here - during
+# ZeRO-3's own steps, and nowhere else.
+HOOK_WARNING = "Full backward hook is firing when gradients are computed with respect to module outputs"
+
+
+@contextlib.contextmanager
+def _quiet_backward_hooks():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=HOOK_WARNING)
+        yield
 
 
 class Unit(Bucket):
     """One unit's parameters: a flat buffer of the full parameters that comes and goes, and this
-    rank's shard of them, which stays."""
+    rank's shard of them, which stays. Gathering a unit that is here (or on its way), or freeing
+    one that is not, does nothing: the unit keeps track itself."""
 
     def __init__(self, index: int, module: torch.nn.Module, rank: int, shards: int):
         super().__init__(list(module.parameters()), shards, f"unit{index}")
@@ -56,20 +66,39 @@ class Unit(Bucket):
 
     def free(self) -> None:
         """Drop the full parameters: only the shard remains."""
-        self.data.untyped_storage().resize_(0)
-        self.gathered = False
+        if self.work is not None:  # (a gather still on its way: let it land first)
+            self.wait()
+        if self.gathered:
+            self.data.untyped_storage().resize_(0)
+            self.gathered = False
 
-    def gather(self, group) -> None:
-        """Issue the all-gather of the full parameters into the unit's buffer (the parameters'
-        views will see them), without waiting for it: `wait` does."""
+    def make_room(self) -> bool:
+        """Give the full parameters their storage back, for a gather to fill; False if they are here
+        or on their way already (nothing to do)."""
+        if self.gathered or self.work is not None:
+            return False
         self.data.untyped_storage().resize_(self.nbytes)
-        # write through .data: autograd must not see this as an in-place change of a saved tensor
-        self.work = all_gather_single(self.data.data, self.shard, group=group, async_op=True)
+        return True
 
-    def wait(self) -> None:
+    def gather(self, group, shard: torch.Tensor | None = None) -> bool:
+        """Issue the all-gather of the full parameters into the unit's buffer (the parameters'
+        views will see them) from every rank's `shard` (default: this unit's) over `group`, without
+        waiting for it: `wait` does. False if there was nothing to gather."""
+        if not self.make_room():
+            return False
+        # write through .data: autograd must not see this as an in-place change of a saved tensor
+        self.work = all_gather_single(self.data.data, self.shard if shard is None else shard, group=group,
+                                      async_op=True)
+        return True
+
+    def wait(self) -> bool:
+        """Wait for the gather on its way; False if none was."""
+        if self.work is None:
+            return False
         self.work.wait()
         self.work = None
         self.gathered = True
+        return True
 
 
 def check_units(model: torch.nn.Module, modules: list) -> None:
@@ -106,6 +135,9 @@ class ZeRO3(FlatStage):
         self.hook_gradients(self.units)  # -> bucket_complete(u) when the unit's last gradient lands
         self.optimizer = ShardOptimizer([u.shard for u in self.units], self.config, group=self.shard_group)
 
+    def gradient_sync(self, sync):
+        return _quiet_backward_hooks()  # (the micro-batch's forward and backward run inside)
+
     # -- the hooks, in the order they fire ------------------------------------------------------
 
     def _before_forward(self, u):
@@ -137,15 +169,13 @@ class ZeRO3(FlatStage):
     # -- gathering and freeing ------------------------------------------------------------------
 
     def _issue_gather(self, u):
-        if not u.gathered and u.work is None:
-            u.gather(self.shard_group)
+        if u.gather(self.shard_group):
             self.tell("all-gather", u)
 
     def _gather(self, u):
         """Make sure the unit's full parameters are here (waiting for a prefetch if one is on its way)."""
         self._issue_gather(u)
-        if u.work is not None:
-            u.wait()
+        if u.wait():
             self.tell("gathered", u)
 
     def _free(self, u):
@@ -156,7 +186,7 @@ class ZeRO3(FlatStage):
 
     def step(self):
         # the optimizer updates the shards; nothing to gather: the next forward will
-        self.update(self.average_([u.grad_shard for u in self.units]))
+        self.update(self.sum_over_replicas_([u.grad_shard for u in self.units]))
         for u in self.units:
             u.grad_shard.zero_()
 
@@ -171,7 +201,7 @@ class ZeRO3(FlatStage):
         out = {}
         for u in self.units:
             u.gather(self.shard_group)
-            u.wait()
+            u.wait()  # (a unit gathered already stays as it is until free)
             for p in u.params:
                 out[self.names[p]] = p.detach().clone()
             u.free()

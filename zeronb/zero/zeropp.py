@@ -85,22 +85,20 @@ class ZeROPlusPlus(ZeRO3):
         super()._after_forward(u)
 
     def _issue_gather(self, u: Unit):
-        if u.gathered or u.work is not None:
-            return
-        u.data.untyped_storage().resize_(u.nbytes)
         if self.in_backward and self.hpz and u.index in self.secondary:
-            # within the node: from the secondary shards (write through .data, as Unit.gather does)
-            u.work = all_gather_single(u.data.data, self.secondary[u.index], group=self.node_group, async_op=True)
+            if u.gather(self.node_group, self.secondary[u.index]):  # within the node: from the secondary shards
+                self.tell("all-gather", u)
         elif not self.in_backward and self.quantize_weights:
+            if not u.make_room():
+                return
             values, scale = quantize_int8(u.shard)
             packed = torch.cat([values, scale.view(torch.int8)])  # one message: the values and their scales
             full = packed.new_empty(self.shards * packed.numel())
             u.work = all_gather_single(full, packed, group=self.shard_group, async_op=True)
             self._pending[u.index] = (full.view(self.shards, -1), values.numel())
+            self.tell("all-gather", u)
         else:
-            u.gather(self.shard_group)
-            return self.tell("all-gather", u)
-        self.tell("all-gather", u)
+            super()._issue_gather(u)
 
     def _gather(self, u: Unit):
         super()._gather(u)

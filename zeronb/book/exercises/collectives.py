@@ -119,7 +119,7 @@ def check_zero3_bytes(fn, world_size: int = 4) -> Verdict:
     from ...train.runner import run
 
     try:
-        report = run(RunConfig(stage=3, model="gpt", dtype="float32", steps=2, timeout=300), _pool(world_size)).ranks[0]
+        report = run(RunConfig(stage=3, model="gpt", precision="float32", steps=2, timeout=300), _pool(world_size)).ranks[0]
     except RankError as e:
         return Verdict("ZeRO-3 bytes per step", [f"the reference run failed: {e}"])
     from ...models import Config, make_model

@@ -1,0 +1,54 @@
+"""A traced ZeRO-3/FSDP step as a Gantt chart: a row per unit, a bar per event.
+
+    spans = report.ranks[0].timeline                   # RunConfig(trace=True): (what, unit, start, end)
+    fig, ax = plt.subplots()
+    unit_timeline(ax, spans, ["0: embeddings", "1: block", "2: block", "3: head"])
+    unit_timeline_legend(fig)                          # the colours, beside the axes
+
+The spans are zeronb.zero.observe.Timeline.spans(): "all-gather (forward)" / "(backward)",
+"forward", "backward" and "reduce-scatter" of a unit, in seconds on the rank's clock. The bars are
+drawn in ms since `origin` (zeronb.zero.observe.relative_spans counts them from the step's first
+all-gather instead). With `lanes=True` each unit's row has two lanes, communication above
+computation, so that a gather issued while the unit computes shows beside its compute bar rather
+than on top of it.
+"""
+from __future__ import annotations
+
+from matplotlib.patches import Patch
+
+COLOURS = {"all-gather (forward)": "#6baed6", "forward": "#31a354", "all-gather (backward)": "#fd8d3c",
+           "backward": "#a63603", "reduce-scatter": "#756bb1"}   # one colour per kind of event
+COMPUTE = ("forward", "backward")
+
+
+def unit_timeline(ax, spans, units, *, origin: float = 0.0, colours: dict | None = None, lanes: bool = False,
+                  title: str | None = None, xlabel: str = "time since the step began (ms)",
+                  ylabel: str | None = "unit") -> list:
+    """Draw `spans` [(what, unit, start, end)] on `ax`: unit u's events on row u (`units`: the row
+    labels, unit 0 at the top), each a bar from start to end, in ms since `origin` (seconds, the
+    spans' clock), coloured by `what` (`colours`, default COLOURS). `lanes`: computation in the
+    lower half of each row, communication in the upper half. Returns the bars, in the spans' order."""
+    colours = COLOURS if colours is None else colours
+    bars = []
+    for what, unit, start, end in spans:
+        y, height = unit, 0.6
+        if lanes:  # y grows downwards: communication on top
+            y, height = unit + (0.2 if what in COMPUTE else -0.2), 0.35
+        bars.extend(ax.barh(y, (end - start) * 1e3, left=(start - origin) * 1e3, height=height,
+                            color=colours[what], edgecolor="white", linewidth=0.5))
+    ax.set_yticks(range(len(units)), units)
+    ax.set_ylim(len(units) - 0.5, -0.5)  # unit 0 on top
+    ax.set_xlabel(xlabel)
+    if ylabel:
+        ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return bars
+
+
+def unit_timeline_legend(target, colours: dict | None = None, **kwargs):
+    """The colours of unit_timeline's kinds of event as a legend on `target` (a figure or axes),
+    beside it on the right unless `kwargs` say otherwise."""
+    colours = COLOURS if colours is None else colours
+    options = {"loc": "center left", "bbox_to_anchor": (1.0, 0.5), "fontsize": 8, **kwargs}
+    return target.legend(handles=[Patch(color=c, label=w) for w, c in colours.items()], **options)

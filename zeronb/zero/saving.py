@@ -1,0 +1,58 @@
+"""What a flat stage (zeronb's DDP, ZeRO-1, -2, -3) saves and loads, and which piece of each
+parameter its shards hold: the checkpoint (zeronb.checkpoint, with torch.distributed.checkpoint)
+and the parity checks (zeronb.train.parity) read a stage through these, so that the stage's own
+modules keep only the step."""
+from __future__ import annotations
+
+from ..runtime.compat import dtensor
+from ..runtime.groups import device_mesh
+from ..shards import shard_numel
+
+
+class FlatSaving:
+    """Mixed into FlatStage: its buckets (`self.buckets`) and the optimizer over their shards
+    (`self.optimizer`) as a checkpoint and as pieces of the model's parameters."""
+
+    def shard_pieces(self, tensors):
+        out = {}
+        for bucket, t in zip(self.buckets, tensors):
+            out.update(bucket.pieces(t.reshape(-1), self.names, self.rank if self.sharded else None))
+        return out
+
+    def checkpoint_state(self):
+        """The flat buckets' shards, as 1-D DTensors of the whole bucket (sharded) or the buckets
+        themselves: the stage's own tensors (views of its shards and of the optimizer's state), so
+        that torch.distributed.checkpoint loads straight into them."""
+        if self.replica_group is not None:
+            raise ValueError("a checkpoint of a stage with a replica group (HSDP) is not supported; save from a "
+                             "run sharded over all of its ranks")
+        opt = self.optimizer
+        opt.init_state()  # (a no-op after the first step; before it, what loading writes into)
+        DTensor, Shard, _ = dtensor()
+        state = {}
+        for i, (bucket, shard) in enumerate(zip(self.buckets, opt.shards)):
+            per_element = {k: v for k, v in opt.state_of(i).items() if k != "step"}  # Adam's moments; SGD: none
+            kinds = {"params": shard, **per_element, **({"master": opt.master[i]} if opt.mixed else {})}
+            for kind, t in kinds.items():
+                if self.sharded:  # this rank's chunk, less its padding: torch.chunk's piece of the bucket
+                    local = t[:shard_numel(bucket.numel, self.shards, self.rank)]
+                    state[f"{bucket.name}.{kind}"] = DTensor.from_local(
+                        local, device_mesh(self.shards, group=self.shard_group), [Shard(0)], run_check=False,
+                        shape=(bucket.numel,), stride=(1,))
+                else:  # the whole bucket, the same on every rank
+                    state[f"{bucket.name}.{kind}"] = t[:bucket.numel]
+            if "step" in opt.state_of(i):
+                state["optimizer.step"] = opt.state_of(i)["step"]  # every bucket's: the same count
+        return state
+
+    def load_checkpoint_state(self, state):
+        if "optimizer.step" in state:  # what loading could not write in place: into every shard's state
+            for s in self.optimizer.states():
+                s["step"].copy_(state["optimizer.step"])
+        self.after_load()
+
+    def after_load(self) -> None:
+        """After a checkpoint was loaded into the shards: make the rest of the state agree with them."""
+
+    def checkpoint_layout(self):
+        return {b.name: [[self.names[p], list(p.shape)] for p in b.params] for b in self.buckets}
