@@ -226,3 +226,28 @@ def test_the_duplicate_finder_sees_a_helper_in_two_chapters(tmp_path):
         cell = {"cell_type": "code", "source": ["def sent(r):\n", "    return sum(r.values())\n"], "metadata": {}}
         (tmp_path / f"{name}.ipynb").write_text(json.dumps({"cells": [cell]}))
     assert chapter_functions(tmp_path) == {"sent": {"01_a", "02_b"}}
+
+
+def local_imports_without_a_reason(package: pathlib.Path = PACKAGE) -> list:
+    """Imports of zeronb's own modules inside functions whose line does not say why: a function-local
+    import may defer a heavy import (and says so), never dodge a cycle."""
+    out = []
+    for name, (path, tree) in _parse(package).items():
+        lines = path.read_text().splitlines()
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(package.name)):
+                        if "(deferred" not in lines[node.lineno - 1] and "(inside" not in lines[node.lineno - 1]:
+                            out.append(f"{name}:{node.lineno}")
+    return sorted(set(out))
+
+
+def test_every_function_local_import_says_why():
+    assert local_imports_without_a_reason() == []
+
+
+def test_the_local_import_check_sees_an_unexplained_one(tmp_path):
+    package = _plant(tmp_path, {"__init__.py": "", "a.py": "def f():\n    from .b import g\n    return g\n",
+                                "b.py": "def g():\n    from .a import f  # (deferred: heavy)\n"})
+    assert local_imports_without_a_reason(package) == ["pkg.a:2"]

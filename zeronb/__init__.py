@@ -37,6 +37,6 @@ __all__ = ["Cluster", "RankError", "RankResults", "RankTimeout", "current", "dev
 
 def load_ipython_extension(ipython):
     """`%load_ext zeronb`: registers the %%ranks cell magic."""
-    from .pool.magic import register
+    from .pool.magic import register  # (deferred: IPython, only when the extension is loaded)
 
     register(ipython)

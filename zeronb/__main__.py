@@ -10,10 +10,10 @@ def _smoke() -> float:
     import torch
     import torch.distributed as dist
 
-    from .pool.cluster import Cluster
+    from .pool.cluster import Cluster  # (deferred, as torch: `python -m zeronb --help` starts at once)
 
     def allreduce():
-        from zeronb import device
+        from zeronb import device  # (inside: this function is pickled by value and runs on a rank)
 
         t = torch.full((1024,), float(dist.get_rank() + 1), device=device())
         dist.all_reduce(t)  # warm-up: the first collective sets up connections
@@ -34,7 +34,7 @@ def doctor() -> int:
     import torch
     import torch.distributed as dist
 
-    from .runtime.backend import choose_backend, cuda_device_count
+    from .runtime.backend import choose_backend, cuda_device_count  # (deferred, as torch)
 
     print(f"python      {sys.version.split()[0]} ({platform.platform()})")
     print(f"torch       {torch.__version__}")

@@ -21,12 +21,12 @@ from contextlib import contextmanager
 
 import torch
 
+from .precision import precision as _precision
+
 
 def bytes_per_parameter(precision: str, optimizer: str = "adam") -> tuple:
     """(p, g, K): bytes of parameter, gradient and optimizer state per parameter, for a precision
     ("float32", "float64", "bf16-mixed") and optimizer (zeronb.precision holds the facts)."""
-    from .precision import precision as _precision
-
     return _precision(precision).bytes_per_parameter(optimizer)
 
 

@@ -3,10 +3,12 @@ import argparse
 import os
 import sys
 
+from ..runtime.topology import parse_rate
 from .collectives import SIZES, collectives, print_collectives
 from .dispatch import dispatch, print_dispatch
 from .nodes import nodes, print_nodes
 from .stages import print_zero, zero
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zeronb.bench", description=__doc__)
@@ -38,8 +40,6 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3)
     args = parser.parse_args(argv)
     if args.what == "nodes":
-        from ..runtime.topology import parse_rate
-
         print_nodes(nodes(tuple(args.ratios), tuple(args.sizes), parse_rate(args.intra_node_bandwidth), args.reps))
     if args.what == "zero":
         print_zero(zero(args.world_size, models=tuple(args.models), rounds=args.rounds, steps=args.steps,

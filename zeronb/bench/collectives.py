@@ -4,7 +4,14 @@ fit and the machine's copy bandwidth as the bound."""
 import statistics
 import time
 
+from .. import collectives as C
+from ..collectives import SEGMENT_BYTES
 from ..cost import fit_alpha_beta
+from ..ledger import bus_factor
+from ..pool.cluster import Cluster
+from ..runtime.backend import device
+from ..runtime.compat import all_gather_single, reduce_scatter_single
+from ..shards import bounds
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 IMPLS = ("ring", "naive", "torch")
@@ -16,11 +23,6 @@ def _time_collectives(nbytes: int, ops, impls, reps: int, segment_bytes: int) ->
     interleaved. A time is the slowest rank's (a collective is done when every rank is done)."""
     import torch
     import torch.distributed as dist
-
-    from .. import collectives as C
-    from ..runtime.backend import device
-    from ..runtime.compat import all_gather_single, reduce_scatter_single
-    from ..shards import bounds
 
     rank, n = dist.get_rank(), dist.get_world_size()
     numel = nbytes // 4
@@ -96,8 +98,6 @@ def _copy_here() -> dict | None:
     import torch
     import torch.distributed as dist
 
-    from ..runtime.backend import device
-
     result = None
     if dist.get_rank() == 0:
         dev = device()
@@ -141,10 +141,6 @@ def collectives(world_sizes=(2, 4), sizes=SIZES, ops=OPS, impls=IMPLS, reps=5,
     tensor (the all-reduce's input, the reduce-scatter's input, the all-gather's output).
     """
     from tqdm.auto import tqdm
-
-    from ..pool.cluster import Cluster
-    from ..collectives import SEGMENT_BYTES
-    from ..ledger import bus_factor
 
     rows = []
     bar = tqdm(total=len(world_sizes) * len(sizes), desc="collectives sweep", disable=not progress)

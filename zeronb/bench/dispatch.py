@@ -5,6 +5,11 @@ import statistics
 import sys
 import time
 
+from ..pool import forkserver
+from ..pool.cluster import Cluster
+from ..pool.errors import RankError
+from ..pool.launch import loopback_interface, loopback_store
+
 _TRIVIAL_RANK = """
 import os, torch, torch.distributed as dist
 if "{backend}" == "nccl":
@@ -37,8 +42,6 @@ def spawn_once(world_size: int, backend: str = "gloo") -> float:
 
     import torch.multiprocessing as mp
 
-    from ..pool.launch import loopback_interface, loopback_store
-
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     store = loopback_store(world_size, timedelta(seconds=60))
     t0 = time.perf_counter()
@@ -51,8 +54,6 @@ def torchrun_once(world_size: int, backend: str = "gloo") -> float:
     running a script per experiment costs (the launcher's own start included)."""
     import subprocess
     import tempfile
-
-    from ..pool.launch import loopback_interface
 
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "trivial.py")
@@ -85,10 +86,6 @@ def dispatch(sizes=(1, 2, 4, 8), calls=300, rounds=3, baselines=True) -> dict:
     restart after a failed call, the first 50 calls after a start, warm dispatch (median, p90),
     and the alternatives of starting the ranks per call (torch.multiprocessing.spawn, torchrun).
     Each round does all of them in turn, so a slow moment of the machine hits every column."""
-    from ..pool import forkserver
-    from ..pool.cluster import Cluster
-    from ..pool.errors import RankError
-
     forkserver.close()  # the first start pays the helper's import of torch: measure that once
     t0 = time.perf_counter()
     with Cluster(2, verbose=False) as c:

@@ -11,6 +11,17 @@ from __future__ import annotations
 
 import statistics
 
+from .. import cost
+from ..collectives import hierarchical_all_reduce, ring_all_reduce
+from ..cost import bytes_across
+from ..models import Config, make_model
+from ..pool.cluster import Cluster
+from ..runtime.links import set_link_rates
+from ..runtime.topology import human_rate
+from ..shards import padded_numel
+from ..train.runner import run_many
+from ..train.runs import RunConfig
+
 MiB = 1 << 20
 
 
@@ -24,8 +35,6 @@ def time_all_reduces(nbytes: int, reps: int, ways: dict | None = None) -> dict:
 
     import torch
     import torch.distributed as dist
-
-    from ..collectives import hierarchical_all_reduce, ring_all_reduce
 
     x = torch.ones(nbytes // 4)
     if ways is None:
@@ -96,19 +105,12 @@ def time_messages(sizes=(256 << 10, 1 << 20, 4 << 20), reps: int = 3) -> dict:
 
 
 def _set_rates(inter, intra):
-    from ..runtime.links import set_link_rates
-
     set_link_rates(inter, intra)
 
 
 def nodes(ratios=(1, 4, 10, 16), sizes=(4 * MiB, 64 * MiB), intra_bps: float = 100e6, reps: int = 3,
           stage_ratio: int = 10, steps: int = 4) -> dict:
     """{"collectives": rows, "stages": rows}; see the module docstring."""
-    from .. import cost
-    from ..pool.cluster import Cluster
-    from ..train.runs import RunConfig
-    from ..train.runner import run_many
-
     rows, stage_rows = [], []
     with Cluster(4, backend="gloo", nodes=2, intra_node_bandwidth=intra_bps, inter_node_bandwidth=intra_bps,
                  verbose=False) as c:
@@ -145,10 +147,6 @@ def nodes(ratios=(1, 4, 10, 16), sizes=(4 * MiB, 64 * MiB), intra_bps: float = 1
 def expected_across(name: str, report, nodes: int = 2) -> float:
     """Bytes all ranks together should send across nodes in one step (zeronb.cost.bytes_across),
     nan where there is no formula (qwZ)."""
-    from ..cost import bytes_across
-    from ..models import Config, make_model
-    from ..shards import padded_numel
-
     N, b = report.world_size, 4
     variant = {"MiCS (HSDP, 2 micro-batches)": "MiCS", "ZeRO++ hpZ": "hpZ"}.get(name, name)
     if variant == "DDP":
@@ -163,8 +161,6 @@ def expected_across(name: str, report, nodes: int = 2) -> float:
 
 
 def print_nodes(result) -> None:
-    from ..runtime.topology import human_rate
-
     print(f"2 nodes x 2 ranks; links within a node paced at {human_rate(result['intra_bps'])}, between nodes at "
           "1/ratio of that. Times: the slowest rank's median (ms); predicted: the alpha-beta model fitted to this "
           "pool's single messages within and across nodes at that ratio.")

@@ -2,7 +2,11 @@
 sent, step time against DDP's - and what accumulation and bf16 reduction change, per stage."""
 import statistics
 
+from ..pool.cluster import Cluster
 from ..precision import precision
+from ..train.runner import run_many
+from ..train.runs import RunConfig
+
 
 def practice_variants(k: int = 4) -> dict:
     """Training in practice, per stage: what each variant `bench zero` measures beside the plain
@@ -14,8 +18,6 @@ def practice_variants(k: int = 4) -> dict:
 
 def _configs(models, stages, rounds, steps, dtype, variants) -> list:
     """Every (model, stage, variant), `rounds` times, interleaved: [(key, RunConfig)]."""
-    from ..train.runs import RunConfig
-
     return [((model, stage, name), RunConfig(model=model, stage=stage, steps=steps, precision=dtype, **changes))
             for _ in range(rounds) for model in models for stage in stages for name, changes in variants.items()]
 
@@ -26,9 +28,6 @@ def zero(world_size=4, models=("mlp", "gpt"), stages=(0, 1, 2, 3), rounds=3, ste
     the ledger, and on the wire where the OS counts them), model-state bytes held on rank 0, the
     gradient bytes held between micro-batches, and each against the plain step of the same stage
     and against DDP's - all measured in one run on one pool, the variants interleaved."""
-    from ..pool.cluster import Cluster
-    from ..train.runner import run_many
-
     keyed = _configs(models, stages, rounds, steps, dtype, practice_variants(accum))
     with Cluster(world_size, verbose=False) as c:
         reports = run_many([config for _, config in keyed], c)

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 from ..memory import bytes_per_parameter, model_state_bytes
 from .claims_text import WHY
+from .display import table as html_table
 
 WIRE = "bytes on the wire (the OS's TCP counters)"
 VALUES = "values on the ranks"
@@ -385,8 +386,6 @@ def why(claim: Claim, finding: Finding) -> str:
 
 def table(findings: dict):
     """The claims with what was measured for each and its verdict, as an HTML table."""
-    from .display import table as html_table
-
     def verdict(c: Claim, f: Finding) -> str:
         word, text = f'<b style="color:{VERDICT_COLOURS[f.verdict]}">{f.verdict}</b>', why(c, f)
         return word if not text else (f"{word} {text}" if f.verdict == "only when" else f"{word}: {text}")

@@ -106,7 +106,7 @@ def _run_cell(source: str, filename: str, namespace: dict):
 def _init_group(backend: str, store, rank: int, world_size: int) -> None:
     from datetime import timedelta
 
-    from zeronb.runtime.backend import join_group, rank_device
+    from zeronb.runtime.backend import join_group, rank_device  # (deferred, as torch: see main)
 
     timeout = timedelta(seconds=float(os.environ.get("ZERONB_PG_TIMEOUT", "1800")))
     join_group(backend, rank_device(backend, rank), store=store, rank=rank, world_size=world_size,
@@ -149,7 +149,7 @@ def main(authkey: bytes) -> None:
                           is_master=False, timeout=timedelta(seconds=60))
     _init_group(backend, store, rank, world_size)
     links_at = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-    from zeronb.runtime.links import start_links
+    from zeronb.runtime.links import start_links  # (deferred, as torch above: the process is set up first)
 
     start_links(links_at, rank)  # on several nodes: which link leads where, and its pacing
     _flush_all(0)

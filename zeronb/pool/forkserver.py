@@ -401,7 +401,7 @@ def _become_rank(parent, out_w, err_w, others, env, cwd, path, authkey) -> None:
     if "numpy" in sys.modules:  # `random` reseeds itself in a fork; numpy's global generator does not
         sys.modules["numpy"].random.seed()
 
-    from zeronb.pool import _worker
+    from zeronb.pool import _worker  # (deferred: a script's own folder is not on the path; PRELOAD imported it)
 
     _worker.main(authkey)
 

@@ -13,6 +13,7 @@ import argparse
 import linecache
 import shlex
 
+from . import cluster
 from .cluster import start
 
 _parser = argparse.ArgumentParser(prog="%%ranks", add_help=False)
@@ -26,8 +27,6 @@ _parser.add_argument("-o", "--output", metavar="NAME", default=None,
 
 def ranks(line, cell):
     from IPython import get_ipython
-
-    from . import cluster
 
     try:
         opts = _parser.parse_args(shlex.split(line))

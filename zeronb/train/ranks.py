@@ -68,7 +68,7 @@ def train_rank(config: RunConfig, build=None) -> RankReport:
     return RankReport(
         rank=rank, device=str(dev), num_params=psi, steps_taken=config.steps - first, final_loss=loss.item() / n,
         step_ms=step_ms, bytes=memory.measure(**stage.state_tensors()),
-        expected_bytes=memory.model_state_breakdown(psi, stage.shards, config.stage, *per_parameter),
+        expected_bytes=memory.model_state_breakdown(psi, stage.num_shards, config.stage, *per_parameter),
         sent_bytes_per_step=dict(ledger.by_op), calls_per_step=dict(ledger.calls), wire_bytes_per_step=ledger.wire_bytes,
         wire_within_node=(ledger.wire_by_node or {}).get("within"), wire_across_nodes=(ledger.wire_by_node or {}).get("across"),
         grad_norm=stage.last_grad_norm if config.clip_norm is not None else None,

@@ -10,6 +10,7 @@ import torch
 
 from .. import memory
 from ..models import checkpoint_activations, global_batch, make_model, num_params
+from ..runtime.backend import choose_backend, rank_device
 from .runs import RankReport, RunConfig, RunReport
 
 
@@ -17,8 +18,6 @@ def train_single(config: RunConfig, device=None) -> RunReport:
     """One process, the whole batch. It runs where a 1-rank pool would (the GPU, if there is one)
     and keeps its gradients between steps as DDP's buckets do, so that its report counts what
     stage 0 counts; it reports the same fields as a rank of a pool."""
-    from ..runtime.backend import choose_backend, rank_device
-
     dev = torch.device(device) if device is not None else rank_device(choose_backend(1)[0], 0)
     cfg, dtype = config.model_config(), config.torch_dtype()
     model = make_model(cfg, dtype, dev)

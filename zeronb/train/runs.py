@@ -13,8 +13,10 @@ from typing import Optional
 
 import torch
 
+from .. import checkpoint
 from ..models import WRAPS, Config
 from ..precision import OPTIMIZERS, precision
+from ..runtime.topology import parse_rate
 from ..zero.config import REDUCE_SCATTERS, StageConfig
 
 REDUCE_DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16}
@@ -104,8 +106,6 @@ class RunConfig:
         return bad
 
     def _node_problems(self) -> list[str]:
-        from ..runtime.topology import parse_rate
-
         bad = []
         if self.nodes is not None and (isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1
                                        or (self.nproc and self.nproc % self.nodes)):
@@ -124,8 +124,6 @@ class RunConfig:
         return bad
 
     def _resume_problems(self) -> list[str]:
-        from .. import checkpoint
-
         try:
             info = checkpoint.read_info(self.resume)
             checkpoint.check_compatible(info, self.settings())

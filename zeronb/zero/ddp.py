@@ -59,7 +59,7 @@ class DDP(FlatStage):
 
     def __init__(self, model, config=None, observers=(), bucket_bytes: int | None = 64 << 10):
         super().__init__(model, config, observers)
-        self.buckets = make_buckets(list(model.parameters()), self.shards, bucket_bytes)
+        self.buckets = make_buckets(list(model.parameters()), self.num_shards, bucket_bytes)
         for b in self.buckets:
             b.keep_grads_flat()  # autograd accumulates each gradient into the bucket's flat buffer
         self.hook_gradients(self.buckets)

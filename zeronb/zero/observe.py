@@ -33,6 +33,7 @@ import time
 import torch
 
 from .. import memory
+from ..ledger import CommLedger
 from .buckets import Bucket
 from .zero3 import Unit
 
@@ -259,8 +260,6 @@ class PhaseTraffic:
         self._open = contextlib.ExitStack()
 
     def _begin(self, phase):
-        from ..ledger import CommLedger
-
         self._open.close()
         self._ledger = self._open.enter_context(CommLedger(wire=self.wire))
         self._phase = phase

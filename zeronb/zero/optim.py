@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..memory import optimizer_tensors
 from .config import StageConfig
 
 
@@ -61,8 +62,6 @@ class ShardOptimizer:
 
     def state_tensors(self) -> list:
         """What the optimizer holds: its states, and the master copy in mixed precision."""
-        from ..memory import optimizer_tensors
-
         return optimizer_tensors(self.optimizer) + (self.master if self.mixed else [])
 
 

@@ -16,7 +16,7 @@ class FlatSaving:
     def shard_pieces(self, tensors):
         out = {}
         for bucket, t in zip(self.buckets, tensors):
-            out.update(bucket.pieces(t.reshape(-1), self.names, self.rank if self.sharded else None))
+            out.update(bucket.pieces(t.reshape(-1), self.names, self.shard_rank if self.sharded else None))
         return out
 
     def checkpoint_state(self):
@@ -35,9 +35,9 @@ class FlatSaving:
             kinds = {"params": shard, **per_element, **({"master": opt.master[i]} if opt.mixed else {})}
             for kind, t in kinds.items():
                 if self.sharded:  # this rank's chunk, less its padding: torch.chunk's piece of the bucket
-                    local = t[:shard_numel(bucket.numel, self.shards, self.rank)]
+                    local = t[:shard_numel(bucket.numel, self.num_shards, self.shard_rank)]
                     state[f"{bucket.name}.{kind}"] = DTensor.from_local(
-                        local, device_mesh(self.shards, group=self.shard_group), [Shard(0)], run_check=False,
+                        local, device_mesh(self.num_shards, group=self.shard_group), [Shard(0)], run_check=False,
                         shape=(bucket.numel,), stride=(1,))
                 else:  # the whole bucket, the same on every rank
                     state[f"{bucket.name}.{kind}"] = t[:bucket.numel]

@@ -26,7 +26,6 @@ from .buckets import reduce_scatter_into
 from .config import StageConfig
 from .saving import FlatSaving
 
-
 _attached = weakref.WeakSet()  # the models a stage has hooked: a second stage would double the hooks
 
 
@@ -56,9 +55,10 @@ class Stage:
                              f"build it with zeronb.models.make_model(cfg, dtype={dtype})")
         self.names = {p: n for n, p in model.named_parameters()}
         self.shard_group, self.replica_group = self.config.shard_group, self.config.replica_group
-        self.rank, self.shards = dist.get_rank(self.shard_group), dist.get_world_size(self.shard_group)
+        # this rank's place among the ranks it shards over, and how many they are (with replicas, HSDP: fewer than all)
+        self.shard_rank, self.num_shards = dist.get_rank(self.shard_group), dist.get_world_size(self.shard_group)
         replicas = dist.get_world_size(self.replica_group) if self.replica_group is not None else 1
-        self.data_parallel = self.shards * replicas  # the ranks whose gradients are averaged
+        self.data_parallel = self.num_shards * replicas  # the ranks whose gradients are averaged
         self.last_micro_batch = True
 
     def claim_model(self) -> None:
@@ -206,7 +206,7 @@ class FlatStage(FlatSaving, Stage):
     def gather_parameters(self) -> None:
         """Every bucket's full parameters again, from every rank's (updated or loaded) shard."""
         for b in self.buckets:
-            all_gather_single(b.data, b.chunk(self.rank).clone(), group=self.shard_group)
+            all_gather_single(b.data, b.chunk(self.shard_rank).clone(), group=self.shard_group)
             self.tell("gathered", b)
 
     def divided_(self, grads: torch.Tensor) -> torch.Tensor:

@@ -20,15 +20,19 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import memory
 from ..runtime.backend import device
-from ..runtime.groups import device_mesh
 from ..runtime.compat import dtensor, fsdp2_unsharded_grads, fully_shard, mixed_precision_policy
+from ..runtime.groups import device_mesh
 from ..runtime.topology import Topology
 from .optim import init_state
 from .stage import Stage
@@ -169,7 +173,7 @@ class TorchFSDP(TorchStage):
         if self.shard_group is not None and self.replica_group is None:
             raise ValueError("FSDP2 here shards over all ranks, or over groups of consecutive ranks with "
                              "replicas (zeronb.runtime.groups.sharding_groups)")
-        mesh = device_mesh(self.shards, self.data_parallel // self.shards)
+        mesh = device_mesh(self.num_shards, self.data_parallel // self.num_shards)
         reshard = stage == 3
         if hpz:
             if stage != 3 or Topology.from_env().nodes == 1:
@@ -210,8 +214,8 @@ class TorchFSDP(TorchStage):
         for (name, p), t in zip(self.model.named_parameters(), tensors):
             if isinstance(t, DTensor):
                 local = t.to_local()
-                rows = -(-p.shape[0] // self.shards)  # per rank
-                start = self.rank * rows * (p.numel() // p.shape[0])
+                rows = -(-p.shape[0] // self.num_shards)  # per rank
+                start = self.shard_rank * rows * (p.numel() // p.shape[0])
                 out[name] = (start, start + local.numel(), local.reshape(-1))
             else:
                 out[name] = (0, t.numel(), t.reshape(-1))

@@ -27,10 +27,10 @@ class ZeRO1(FlatStage):
 
     def __init__(self, model, config=None, observers=()):
         super().__init__(model, config, observers)
-        self.buckets = make_buckets(list(model.parameters()), self.shards, None)  # one flat buffer, N chunks
+        self.buckets = make_buckets(list(model.parameters()), self.num_shards, None)  # one flat buffer, N chunks
         (self.flat,) = self.buckets
         self.flat.keep_grads_flat()                # 1. the full gradients, accumulated in place by autograd
-        self.shard = self.flat.chunk(self.rank)    # the parameters this rank updates
+        self.shard = self.flat.chunk(self.shard_rank)    # the parameters this rank updates
         self.optimizer = ShardOptimizer([self.shard], self.config, group=self.shard_group)  # state for the shard only
         # self.flat.grad_shard: the summed gradient of the shard, during a step only
 

@@ -30,12 +30,12 @@ class ZeRO2(FlatStage):
         """`grad_shard_dtype`: keep the reduced gradient shard in another dtype than the
         parameters' (torch.float32 in bf16-mixed: the recipe behind "2N + 16N/M", chapter 6)."""
         super().__init__(model, config, observers)
-        self.buckets = make_buckets(list(model.parameters()), self.shards, bucket_bytes)
+        self.buckets = make_buckets(list(model.parameters()), self.num_shards, bucket_bytes)
         for b in self.buckets:
             # the summed gradient of this rank's chunk: the only gradient memory that stays
-            b.grad_shard = torch.zeros_like(b.chunk(self.rank), dtype=grad_shard_dtype)
+            b.grad_shard = torch.zeros_like(b.chunk(self.shard_rank), dtype=grad_shard_dtype)
         self.hook_gradients(self.buckets)
-        self.optimizer = ShardOptimizer([b.chunk(self.rank) for b in self.buckets], self.config,
+        self.optimizer = ShardOptimizer([b.chunk(self.shard_rank) for b in self.buckets], self.config,
                                         group=self.shard_group)
 
     def bucket_complete(self, b):

@@ -126,7 +126,7 @@ class ZeRO3(FlatStage):
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         modules = model.units() if units is None else units
         check_units(model, modules)
-        self.units = self.buckets = [Unit(i, m, self.rank, self.shards) for i, m in enumerate(modules)]
+        self.units = self.buckets = [Unit(i, m, self.shard_rank, self.num_shards) for i, m in enumerate(modules)]
         for u in self.units:
             self.hooks += [u.module.register_forward_pre_hook(lambda m, args, u=u: self._before_forward(u)),
                            u.module.register_forward_hook(lambda m, args, out, u=u: self._after_forward(u)),

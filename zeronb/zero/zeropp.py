@@ -26,7 +26,9 @@ from __future__ import annotations
 import torch
 
 from ..runtime.compat import all_gather_single
-from .zero3 import ZeRO3, Unit
+from ..runtime.groups import node_groups
+from ..runtime.topology import Topology
+from .zero3 import Unit, ZeRO3
 
 BLOCK = 256  # elements per quantization scale (ZeRO++ quantizes block by block, a scale each)
 
@@ -57,15 +59,12 @@ class ZeROPlusPlus(ZeRO3):
             raise ValueError(f"quantize_weights must be None or 'int8', not {quantize_weights!r}")
         self.hpz, self.quantize_weights = hpz, quantize_weights
         if hpz:
-            from ..runtime.topology import Topology
-            from ..runtime.groups import node_groups
-
             topology = Topology.from_env()
             if topology.nodes == 1:
                 raise ValueError("hpz keeps a copy of the parameters sharded within a node: it needs a pool on "
                                  "several nodes (zeronb.start(world_size=4, nodes=2), or --nodes 2)")
             self.node_group, _ = node_groups()
-            self.local_rank, self.per_node = topology.local_rank(self.rank), topology.per_node
+            self.local_rank, self.per_node = topology.local_rank(self.shard_rank), topology.per_node
         self.secondary: dict = {}  # hpZ: unit index -> this rank's secondary shard, from forward to the step
         self._pending: dict = {}   # qwZ: unit index -> what finishes its quantized gather
         self.in_backward = False
@@ -93,9 +92,9 @@ class ZeROPlusPlus(ZeRO3):
                 return
             values, scale = quantize_int8(u.shard)
             packed = torch.cat([values, scale.view(torch.int8)])  # one message: the values and their scales
-            full = packed.new_empty(self.shards * packed.numel())
+            full = packed.new_empty(self.num_shards * packed.numel())
             u.work = all_gather_single(full, packed, group=self.shard_group, async_op=True)
-            self._pending[u.index] = (full.view(self.shards, -1), values.numel())
+            self._pending[u.index] = (full.view(self.num_shards, -1), values.numel())
             self.tell("all-gather", u)
         else:
             super()._issue_gather(u)

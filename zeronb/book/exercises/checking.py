@@ -6,6 +6,7 @@ import torch
 
 from ...pool.cluster import start
 from ...pool.errors import RankError, RankTimeout
+from ...runtime.backend import device
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 
@@ -86,7 +87,5 @@ def _compare(name, rank, got, want, dtype, chunks=None):
 
 def _inputs(rank, numel, dtype):
     """Inside a rank: rank `rank`'s test tensor, on this rank's device (the same values on any)."""
-    from ...runtime.backend import device
-
     g = torch.Generator().manual_seed(7919 * (rank + 1) + numel)
     return torch.randn(numel, generator=g, dtype=torch.float64).to(device=device(), dtype=dtype)

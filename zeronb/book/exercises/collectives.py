@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from .checking import Verdict, _compare, _inputs, _pool, _run
+from ...ledger import CommLedger
+from ...models import Config, make_model
 from ...pool.errors import RankError
+from ...shards import all_bounds, bounds, chunk_bounds, chunk_size
+from ...train.runner import run
+from ...train.runs import RunConfig
+from .checking import Verdict, _compare, _inputs, _pool, _run
 
 # --- chapter 3: all-reduce from reduce-scatter and all-gather --------------------------------------
 
@@ -41,9 +46,6 @@ def check_all_reduce(fn, world_size: int = 4, sizes=(8, 12, 4096), dtype=torch.f
 def _try_ring_all_gather(fn, numel, dtype):
     import torch.distributed as dist
 
-    from ...ledger import CommLedger
-    from ...shards import bounds
-
     rank = dist.get_rank()
     full = _inputs(0, numel, dtype)  # the same tensor everywhere: rank r holds its slice of it
     a, b = bounds(numel, dist.get_world_size(), rank)
@@ -55,8 +57,6 @@ def _try_ring_all_gather(fn, numel, dtype):
 def check_ring_all_gather(fn, world_size: int = 4, sizes=(8, 4096), dtype=torch.float32) -> Verdict:
     """Exercise (chapter 4): `fn(shard, numel) -> full tensor`, a ring all-gather written with
     point-to-point sends and receives only: N-1 steps, (N-1)/N of the tensor sent by each rank."""
-    from ...shards import all_bounds, chunk_size
-
     pool, problems = _pool(world_size), []
     for numel in sizes:
         res, err = _run(pool, _try_ring_all_gather, fn, numel, dtype)
@@ -80,8 +80,6 @@ def check_ring_all_gather(fn, world_size: int = 4, sizes=(8, 4096), dtype=torch.
 
 def _try_zero1_step(fn, numel, lr):
     import torch.distributed as dist
-
-    from ...shards import chunk_bounds
 
     rank, n = dist.get_rank(), dist.get_world_size()
     params = _inputs(100, numel, torch.float64)           # replicated parameters
@@ -115,14 +113,10 @@ def check_zero3_bytes(fn, world_size: int = 4) -> Verdict:
     """Exercise (chapter 10): `fn(unit_numels, world_size, element_size) -> bytes` that one rank of
     zeronb's ZeRO-3 sends per training step (the last unit is not gathered a second time).
     Checked against the ledger's count of a real step on the GPT model."""
-    from ...train.runs import RunConfig
-    from ...train.runner import run
-
     try:
         report = run(RunConfig(stage=3, model="gpt", precision="float32", steps=2, timeout=300), _pool(world_size)).ranks[0]
     except RankError as e:
         return Verdict("ZeRO-3 bytes per step", [f"the reference run failed: {e}"])
-    from ...models import Config, make_model
 
     units = [sum(p.numel() for p in u.parameters()) for u in make_model(Config(kind="gpt")).units()]
     measured = sum(report.sent_bytes_per_step.values())

@@ -6,6 +6,12 @@ from __future__ import annotations
 
 import torch
 
+from ...ledger import CommLedger
+from ...memory import tensor_bytes
+from ...models import Config, local_batch, make_model
+from ...runtime.backend import device
+from ...shards import chunk_bounds
+from ...zero.buckets import Bucket
 from .checking import Verdict, _compare, _inputs, _pool, _run
 
 # Each runs the learner's code on every rank inside training steps of the small MLP (float64), beside
@@ -16,9 +22,6 @@ def _mlp_and_reference(steps: int = 2):
     """Inside a rank: the MLP, a plain copy of it, and for each step this rank's batch and the
     reference gradients (averaged over the ranks), by parameter name."""
     import torch.distributed as dist
-
-    from ...runtime.backend import device
-    from ...models import Config, local_batch, make_model
 
     cfg, dev = Config(kind="mlp"), device()
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -57,8 +60,6 @@ def _call_learner(what, fn, *args):
 
 def _try_bucketed_ddp(fn):
     import torch.distributed as dist
-
-    from ...ledger import CommLedger
 
     model, batches, reference = _mlp_and_reference()
     names = {p: name for name, p in model.named_parameters()}
@@ -140,10 +141,6 @@ def check_bucketed_ddp(fn, world_size: int = 4) -> Verdict:
 def _try_zero2_hooks(fn):
     import torch.distributed as dist
 
-    from ...ledger import CommLedger
-    from ...memory import tensor_bytes
-    from ...zero.buckets import Bucket
-
     model, batches, reference = _mlp_and_reference()
     rank, n = dist.get_rank(), dist.get_world_size()
     names = {p: name for name, p in model.named_parameters()}
@@ -208,9 +205,6 @@ def check_zero2_hooks(fn, world_size: int = 4) -> Verdict:
 
 def _try_zero3_unit(fn):
     import torch.distributed as dist
-
-    from ...ledger import CommLedger
-    from ...zero.buckets import Bucket
 
     model, batches, reference = _mlp_and_reference(steps=1)
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -284,9 +278,6 @@ def check_zero3_unit(fn, world_size: int = 4) -> Verdict:
 
 def _try_accumulate_and_clip(fn, max_norm, k):
     import torch.distributed as dist
-
-    from ...ledger import CommLedger
-    from ...shards import chunk_bounds
 
     rank, n, numel = dist.get_rank(), dist.get_world_size(), 4096
     # K micro-batch gradients of this rank (each of its micro-batch's mean loss), flat and padded

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from ...ledger import WireMeter
+from ...pool.cluster import _default, start
+from ...runtime.topology import Topology
 from .checking import Verdict, _compare, _inputs, _run
 
 SLACK = 1.05, 4096  # gloo's message headers and TCP's small messages: 5 % and 4 KiB over the ring's bytes
@@ -12,8 +15,6 @@ SLACK = 1.05, 4096  # gloo's message headers and TCP's small messages: 5 % and 4
 
 def _node_pool(world_size: int, nodes: int):
     """The notebook's pool if it already has this shape (its link rates kept), else a new one."""
-    from ...pool.cluster import _default, start
-
     if (_default is not None and not _default.closed and _default.world_size == world_size
             and _default.nodes == nodes):
         return _default
@@ -32,8 +33,6 @@ def _across_limit(nbytes: float) -> int:
 
 def _try_hierarchical(fn, numel, dtype):
     import torch.distributed as dist
-
-    from ...ledger import WireMeter
 
     x = _inputs(dist.get_rank(), numel, dtype)
     want = x.clone()
@@ -74,9 +73,6 @@ def check_hierarchical_all_reduce(fn, world_size: int = 4, nodes: int = 2, sizes
 
 def _try_hsdp_gradient(fn, numel):
     import torch.distributed as dist
-
-    from ...ledger import WireMeter
-    from ...runtime.topology import Topology
 
     rank, n = dist.get_rank(), dist.get_world_size()
     topology = Topology.from_env()
