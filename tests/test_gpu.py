@@ -102,7 +102,7 @@ def test_train_cli_on_cuda_matches_one_process_and_reports_cuda_memory(stage, im
     from zeronb.train import max_diff
     from zeronb.train.cli import main
 
-    common = ["--model", "gpt", "--dtype", "float64", "--steps", "3"]
+    common = ["--model", "gpt", "--precision", "float64", "--steps", "3"]
     assert main(["--nproc", "1", "--stage", "0", *common, "--report", str(tmp_path / "ref.json"),
                        "--save-params", str(tmp_path / "ref.pt")]) == 0
     assert main(["--nproc", str(N), "--stage", str(stage), "--impl", impl, *common,

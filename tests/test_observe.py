@@ -2,7 +2,9 @@
 memory after each hook, and a timeline's collectives ending no later than the stage's wait."""
 import time
 
-from zeronb.zero.observe import Timeline, covered, hidden_share, overlap, zero3_parameters
+from zeronb.book.timeline import covered, hidden_share, overlap
+from zeronb.book.watched import zero3_parameters
+from zeronb.zero.observe import Timeline
 
 
 def test_covered_and_overlap_count_each_instant_once():

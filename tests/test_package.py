@@ -72,6 +72,8 @@ def imports(package: pathlib.Path = PACKAGE) -> dict:
                         found.add(_defining(modules, base, alias.name) if base in modules else base)
             elif isinstance(node, ast.Import):
                 found.update(a.name for a in node.names)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value and node.value in modules:
+                found.add(node.value)  # a module named to be imported later (importlib, a preload list)
         graph[name] = {m for m in found if m in modules and m != name}
     return graph
 
@@ -156,6 +158,13 @@ def test_the_graph_follows_a_packages_reexport_to_the_submodule(tmp_path):
     graph = imports(package)
     assert "pkg.zero.config" in graph["pkg.low"]
     assert _cycle(graph) is not None
+
+
+def test_the_graph_sees_a_module_named_in_a_string(tmp_path):
+    package = _plant(tmp_path, {"__init__.py": "", "runtime/__init__.py": "", "zero/__init__.py": "",
+                                "runtime/warm.py": 'import importlib\nNAMES = ["pkg.zero.stage"]\n',
+                                "zero/stage.py": ""})
+    assert upward_imports(imports(package)) == [("pkg.runtime.warm", "pkg.zero.stage")]
 
 
 def test_the_direction_test_fails_on_a_lower_layer_importing_a_higher_one(tmp_path):

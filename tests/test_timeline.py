@@ -8,7 +8,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
 from zeronb.book.timeline import COLOURS, unit_timeline, unit_timeline_legend  # noqa: E402
-from zeronb.zero.observe import gathered, peak_gathered, relative_spans  # noqa: E402
+from zeronb.book.timeline import relative_spans  # noqa: E402
+from zeronb.book.watched import gathered, peak_gathered  # noqa: E402
 
 UNITS = ["0: embeddings", "1: block", "2: head"]
 SPANS = [("all-gather (forward)", 0, 10.000, 10.002), ("forward", 0, 10.002, 10.005),

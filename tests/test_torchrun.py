@@ -39,7 +39,7 @@ def _two_nodes(meet, train_argv):
 
 
 def _train_args(stage, out):
-    return ["--stage", str(stage), "--model", "gpt", "--dtype", "float64", "--steps", "3", "--save-params", out]
+    return ["--stage", str(stage), "--model", "gpt", "--precision", "float64", "--steps", "3", "--save-params", out]
 
 
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun not found")
@@ -64,7 +64,7 @@ def test_two_nodes_under_torchrun_match_the_pool(stage, rdzv, tmp_path):
 def test_the_node_options_under_torchrun_take_its_nodes_and_match_the_pool(extra, tmp_path):
     """On 2 nodes x 2 under torchrun the nodes come from LOCAL_WORLD_SIZE; on the pool from --nodes 2."""
     pool_out, run_out = str(tmp_path / "pool.pt"), str(tmp_path / "torchrun.pt")
-    argv = ["--model", "gpt", "--dtype", "float64", "--steps", "3", *extra]
+    argv = ["--model", "gpt", "--precision", "float64", "--steps", "3", *extra]
     subprocess.run([sys.executable, "-m", "zeronb.train", "--nproc", "4", "--nodes", "2", *argv, "--save-params", pool_out],
                    check=True, capture_output=True, timeout=300)
     meet = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "zeronb-nodes"]
@@ -86,9 +86,9 @@ def test_training_in_practice_under_torchrun_checkpoints_and_resumes_on_a_pool(i
     from zeronb.train import run, train_single
 
     ckpt = str(tmp_path / "ckpt")
-    argv = ["--stage", str(stage), "--impl", impl, "--model", "gpt", "--dtype", "float64", *PRACTICE]
+    argv = ["--stage", str(stage), "--impl", impl, "--model", "gpt", "--precision", "float64", *PRACTICE]
     meet = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", f"practice-{impl}"]
     _two_nodes(meet, [*argv, "--steps", "2", "--checkpoint", ckpt])
     resumed = run(parse_args([*argv, "--nproc", "2", "--steps", "4", "--resume", ckpt]))  # the same flags, parsed
-    reference = train_single(parse_args(["--model", "gpt", "--dtype", "float64", "--clip", "0.05", "--steps", "4"]))
+    reference = train_single(parse_args(["--model", "gpt", "--precision", "float64", "--clip", "0.05", "--steps", "4"]))
     assert max_diff(resumed.params, reference.params) <= 1e-10

@@ -102,7 +102,7 @@ def test_zero1_sends_what_ddp_sends(runs, n, model):
 def _summing_instead_of_averaging(configs):
     """Inside a rank: train with zeronb's ZeRO stages made to forget the division by N."""
     from zeronb.train.ranks import train_rank
-    from zeronb.zero.stage import FlatStage
+    from zeronb.zero.flat import FlatStage
 
     real = FlatStage.divided_
     FlatStage.divided_ = lambda self, grads: grads  # the sum over the ranks, not the average

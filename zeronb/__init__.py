@@ -21,9 +21,13 @@ def _in_ipython() -> bool:
     return ipython is not None and ipython.get_ipython() is not None
 
 
-if _in_ipython():  # before importing torch here, so that both imports run at once
-    from .pool import forkserver
+from .pool import forkserver  # noqa: E402  (imports no torch)
 
+# What the ranks run, imported once by the helper process the ranks are forked from (the pool
+# itself names only its own modules: it sits below these layers).
+forkserver.preload("zeronb.runtime.backend", "zeronb.shards", "zeronb.collectives", "zeronb.ledger", "zeronb.memory",
+                   "zeronb.models", "zeronb.zero", "zeronb.zero.observe", "zeronb.train", "zeronb.book.exercises")
+if _in_ipython():  # before importing torch here, so that both imports run at once
     forkserver.prestart()
 
 from .runtime.backend import device  # noqa: E402

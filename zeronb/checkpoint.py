@@ -9,7 +9,8 @@ copy as 1-D DTensors of the bucket's real length. DCP writes each rank's piece w
 load, each rank reads the pieces that overlap the chunk it holds *now*, whatever the number of
 ranks that wrote them. What every rank holds whole (DDP's buckets, Adam's step count) is saved as
 plain tensors, written once. Each stage says what it saves (Stage.checkpoint_state); this module
-only saves, loads, checks and exports.
+only saves, loads, reads and exports (what a resume must share with the saved run is
+zeronb.train.runs' STRUCTURE).
 
 PyTorch's counterparts go through torch.distributed.checkpoint.state_dict (FSDP2's parameters are
 DTensors already). ZeroRedundancyOptimizer keeps each parameter's Adam state on the one rank that
@@ -34,7 +35,6 @@ import torch.distributed.checkpoint as dcp
 
 
 INFO = "zeronb.json"
-STRUCTURE = ("stage", "impl", "model", "precision", "optimizer")  # what a resume must share with the saved run
 
 
 # --- save, load, read, export ---------------------------------------------------------------------------
@@ -58,15 +58,6 @@ def read_info(directory: str) -> dict:
                                 "that a run with --checkpoint wrote")
     with open(path) as f:
         return json.load(f)
-
-
-def check_compatible(info: dict, settings: dict) -> None:
-    """Raise ValueError unless `settings` continue the run `info` describes."""
-    saved = {"optimizer": "adam", **info}  # (checkpoints from before the choice of optimizer are Adam's)
-    wrong = [f"{k} {settings[k]!r} (saved: {saved.get(k)!r})" for k in STRUCTURE if settings[k] != saved.get(k)]
-    if wrong:
-        raise ValueError("this checkpoint is of another kind of run: " + ", ".join(wrong) + "; resume with the "
-                         "saved settings (the number of ranks may differ)")
 
 
 def load(stage, directory: str) -> dict:

@@ -30,9 +30,6 @@ caller imported it, and the ledger sees it there.
 from __future__ import annotations
 
 import contextvars
-import os
-import socket
-import struct
 import time
 from collections import defaultdict
 
@@ -41,8 +38,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .runtime.compat import group_size_of
-from .runtime.sockets import connections
 from .runtime.links import split_by_node
+from .runtime.sockets import wire_counters
 from .shards import chunk_size
 
 _scope = contextvars.ContextVar("zeronb_ledger_scope", default=None)   # name of the op being built
@@ -107,39 +104,6 @@ _COLLECTIVES = {
     "broadcast_": ("broadcast", lambda a: a[0]),
     "reduce_": ("reduce", lambda a: a[0]),
 }
-
-
-# struct tcp_info (include/uapi/linux/tcp.h): byte offsets of the counters read here
-_TCPI_NOTSENT_BYTES, _TCPI_BYTES_SENT, _TCPI_BYTES_RETRANS, _TCP_INFO_LEN = 144, 200, 208, 232
-
-
-def _tcp_info(fd: int) -> bytes:
-    with socket.socket(fileno=os.dup(fd)) as s:
-        return s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
-
-
-def wire_counters(drain_s: float = 1.0) -> dict:
-    """{connection: bytes the kernel has sent on it so far}, for this rank's connections to other
-    ranks: tcpi_bytes_sent less tcpi_bytes_retrans, each byte once even when TCP had to send it
-    again (which happens on a busy machine's loopback too). Bytes still queued in a send buffer
-    are waited for (up to `drain_s`), so that a count taken right after a call includes
-    everything the call handed to the kernel."""
-    if not hasattr(socket, "TCP_INFO"):
-        raise RuntimeError("counting bytes on the wire needs Linux's TCP_INFO; this system has none")
-    conns = connections()
-    deadline = time.monotonic() + drain_s
-    while True:
-        infos = {}
-        for key, fd in conns.items():
-            try:
-                infos[key] = _tcp_info(fd)
-            except OSError:  # closed meanwhile
-                pass
-        queued = sum(struct.unpack_from("I", i, _TCPI_NOTSENT_BYTES)[0] for i in infos.values())
-        if not queued or time.monotonic() > deadline:
-            return {key: struct.unpack_from("Q", i, _TCPI_BYTES_SENT)[0] - struct.unpack_from("Q", i, _TCPI_BYTES_RETRANS)[0]
-                    for key, i in infos.items()}
-        time.sleep(0.001)
 
 
 class WireMeter:

@@ -62,3 +62,9 @@ def check_optimizer(name: str) -> str:
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {name!r}")
     return name
+
+
+def optimizer_class(name: str) -> type:
+    """torch's optimizer of that name: Adam, or plain SGD (no momentum: its update shows a gradient
+    scaled by a constant, which Adam's hides)."""
+    return torch.optim.Adam if check_optimizer(name) == "adam" else torch.optim.SGD

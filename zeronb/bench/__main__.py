@@ -3,6 +3,7 @@ import argparse
 import os
 import sys
 
+from ..precision import PRECISIONS
 from ..runtime.topology import parse_rate
 from .collectives import SIZES, collectives, print_collectives
 from .dispatch import dispatch, print_dispatch
@@ -29,7 +30,7 @@ def main(argv=None) -> int:
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bf16-mixed"])
+    p.add_argument("--precision", "--dtype", default="float32", choices=list(PRECISIONS))
     p.add_argument("--grad-accum", type=int, default=4, help="micro-batches of the accumulation variants")
     p.add_argument("--models", nargs="+", default=["mlp", "gpt"], choices=["mlp", "gpt"])
     p = sub.add_parser("nodes", help="2 nodes x 2 ranks, paced links: flat ring, hierarchical and gloo all-reduce "
@@ -43,7 +44,7 @@ def main(argv=None) -> int:
         print_nodes(nodes(tuple(args.ratios), tuple(args.sizes), parse_rate(args.intra_node_bandwidth), args.reps))
     if args.what == "zero":
         print_zero(zero(args.world_size, models=tuple(args.models), rounds=args.rounds, steps=args.steps,
-                         dtype=args.dtype, accum=args.grad_accum), args.world_size, args.dtype)
+                         precision=args.precision, accum=args.grad_accum), args.world_size, args.precision)
     if args.what == "collectives":
         result = collectives(tuple(args.world_sizes), tuple(args.sizes), reps=args.reps,
                              segment_bytes=args.segment_bytes)

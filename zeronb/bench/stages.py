@@ -3,7 +3,7 @@ sent, step time against DDP's - and what accumulation and bf16 reduction change,
 import statistics
 
 from ..pool.cluster import Cluster
-from ..precision import precision
+from ..precision import precision as precision_spec
 from ..train.runner import run_many
 from ..train.runs import RunConfig
 
@@ -16,19 +16,19 @@ def practice_variants(k: int = 4) -> dict:
             f"accum {k}, last": dict(grad_accum=k, sync_each_micro_batch=False), "bf16 reduce": dict(reduce_dtype="bf16")}
 
 
-def _configs(models, stages, rounds, steps, dtype, variants) -> list:
+def _configs(models, stages, rounds, steps, precision, variants) -> list:
     """Every (model, stage, variant), `rounds` times, interleaved: [(key, RunConfig)]."""
-    return [((model, stage, name), RunConfig(model=model, stage=stage, steps=steps, precision=dtype, **changes))
+    return [((model, stage, name), RunConfig(model=model, stage=stage, steps=steps, precision=precision, **changes))
             for _ in range(rounds) for model in models for stage in stages for name, changes in variants.items()]
 
 
-def zero(world_size=4, models=("mlp", "gpt"), stages=(0, 1, 2, 3), rounds=3, steps=6, dtype="float32",
+def zero(world_size=4, models=("mlp", "gpt"), stages=(0, 1, 2, 3), rounds=3, steps=6, precision="float32",
          accum=4) -> list:
     """Per model, stage and variant (practice_variants): median step time, bytes sent per step (by
     the ledger, and on the wire where the OS counts them), model-state bytes held on rank 0, the
     gradient bytes held between micro-batches, and each against the plain step of the same stage
     and against DDP's - all measured in one run on one pool, the variants interleaved."""
-    keyed = _configs(models, stages, rounds, steps, dtype, practice_variants(accum))
+    keyed = _configs(models, stages, rounds, steps, precision, practice_variants(accum))
     with Cluster(world_size, verbose=False) as c:
         reports = run_many([config for _, config in keyed], c)
     runs = {}
@@ -54,11 +54,11 @@ def zero(world_size=4, models=("mlp", "gpt"), stages=(0, 1, 2, 3), rounds=3, ste
     return rows
 
 
-def print_zero(rows, world_size, dtype) -> None:
-    print(f"ZeRO stages on {world_size} ranks, {dtype}: rank 0's model states and traffic, median step time")
+def print_zero(rows, world_size, precision) -> None:
+    print(f"ZeRO stages on {world_size} ranks, {precision}: rank 0's model states and traffic, median step time")
     print(f"{'model':>5} {'stage':>5} {'params':>8} {'held KiB':>9} {'formula KiB':>11} {'sent KiB/step':>14} "
           f"{'sent / psi*b':>12} {'step ms':>8} {'vs DDP':>7}")
-    b = precision(dtype).param_bytes
+    b = precision_spec(precision).param_bytes
     for r in rows:
         if r["variant"] == "plain":
             print(f"{r['model']:>5} {r['stage']:>5} {r['num_params']:>8} {r['held'] / 1024:>9.1f} "

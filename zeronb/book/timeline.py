@@ -1,4 +1,5 @@
-"""A traced ZeRO-3/FSDP step as a Gantt chart: a row per unit, a bar per event.
+"""A traced ZeRO-3/FSDP step as a Gantt chart - a row per unit, a bar per event - and what its
+intervals say: how long the communication lasted, and how much of it hid under computation.
 
     spans = report.ranks[0].timeline                   # RunConfig(trace=True): (what, unit, start, end)
     fig, ax = plt.subplots()
@@ -7,7 +8,7 @@
 
 The spans are zeronb.zero.observe.Timeline.spans(): "all-gather (forward)" / "(backward)",
 "forward", "backward" and "reduce-scatter" of a unit, in seconds on the rank's clock. The bars are
-drawn in ms since `origin` (zeronb.zero.observe.relative_spans counts them from the step's first
+drawn in ms since `origin` (`relative_spans` counts them from the step's first
 all-gather instead). With `lanes=True` each unit's row has two lanes, communication above
 computation, so that a gather issued while the unit computes shows beside its compute bar rather
 than on top of it.
@@ -52,3 +53,46 @@ def unit_timeline_legend(target, colours: dict | None = None, **kwargs):
     colours = COLOURS if colours is None else colours
     options = {"loc": "center left", "bbox_to_anchor": (1.0, 0.5), "fontsize": 8, **kwargs}
     return target.legend(handles=[Patch(color=c, label=w) for w, c in colours.items()], **options)
+
+
+# --- what a timeline says: how long, and how much of the communication hid under computation ---------
+
+def relative_spans(spans, origin: float | None = None) -> list:
+    """A Timeline's spans [(what, key, start, end)] with their times counted from `origin` (seconds,
+    the spans' clock; by default the earliest start, e.g. a ZeRO-3 step's first all-gather)."""
+    if origin is None:
+        origin = min((start for _, _, start, _ in spans), default=0.0)
+    return [(what, k, start - origin, end - origin) for what, k, start, end in spans]
+
+
+def covered(intervals) -> float:
+    """How long the union of (start, end) intervals lasts (time covered at least once)."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def overlap(a, b) -> float:
+    """How long some interval of `a` and some interval of `b` run at the same time."""
+    return covered(a) + covered(b) - covered(list(a) + list(b))
+
+
+def spans_of(spans, *kinds) -> list:
+    """The (start, end) of those of a Timeline's spans whose name starts with one of `kinds` (all:
+    none given)."""
+    return [(s, e) for what, _, s, e in spans if not kinds or what.startswith(kinds)]
+
+
+def hidden_share(spans) -> float:
+    """The share of all-gather time during which the rank was computing (a unit's forward or
+    backward): communication hidden under computation. From a Timeline's spans, whose collectives
+    last from their issue to their completion (or the stage's wait, if earlier), never longer. (A
+    unit's span holds whatever else the rank did meanwhile: other observers' work at events inside it
+    too.)"""
+    gathers = spans_of(spans, "all-gather")
+    if not gathers:
+        raise ValueError("these spans hold no all-gather: hidden_share is for ZeRO-3/FSDP runs traced with trace=True")
+    return overlap(gathers, spans_of(spans, "forward", "backward")) / covered(gathers)

@@ -28,9 +28,9 @@ Three details that matter in practice:
   added): the addition overlaps the transfer of the next segment, and the next step starts before
   this one has finished - a pipeline, as NCCL does it.
 
-What a step did (for the ledger's trace, chapter 4's pictures) is told to a tracer passed in from
-outside (zeronb.ledger.ring_tracer: None when nothing records), so the pipeline holds no
-bookkeeping of its own.
+What a step did (for the ledger's trace, chapter 4's pictures) is told to a tracer that the public
+functions hand the pipeline (`_run_ring(..., trace)`); the ledger makes it (zeronb.ledger.ring_tracer:
+None when nothing records), so the pipeline holds no bookkeeping of its own.
 """
 from __future__ import annotations
 

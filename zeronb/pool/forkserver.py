@@ -12,17 +12,15 @@ little: fork, hand the rank its pipes, tell the notebook when it exits.
                            ├─fork─▶ rank 0  (new session, stdout/stderr = the notebook's pipes)
                            └─fork─▶ rank 1 ...
 
-- The notebook creates each rank's pipes and sends their ends over a Unix socket (SCM_RIGHTS); the
-  rank writes its output straight into them at the file-descriptor level, as before.
+- The notebook sends each rank's pipes over a Unix socket (SCM_RIGHTS): the rank writes into them.
 - The helper is the ranks' parent: it reaps them and writes each one's exit status into a pipe of
   its own that the notebook reads, so "killed by SIGKILL" still reaches the notebook.
 - Lifetimes chain: the helper exits when the notebook's end of the socket closes (the notebook
   exited, even by SIGKILL), and a rank is killed when the helper exits (PR_SET_DEATHSIG on Linux,
   a watch thread elsewhere). The helper is detached (not the notebook's child) and in its own
   session, so Jupyter's interrupt reaches neither it nor the ranks.
-- The helper is reused by every pool of the process, restarts included. It is replaced when it
-  died (saying so), or when what it imported is stale: zeronb's source or an environment variable
-  read at import time changed since it started.
+- The helper serves every pool of the process. It is replaced when it died (saying so), or when what
+  it imported is stale: zeronb's source or an environment variable read at import time changed.
 """
 from __future__ import annotations
 
@@ -38,11 +36,16 @@ import threading
 
 START_TIMEOUT = 120.0  # seconds for the helper to import torch (a cold disk, a busy machine)
 
-# Imported by the helper before any fork, so that no rank pays for them. torch._dynamo is what the
-# first TorchDispatchMode (zeronb.ledger's byte counter) would import: seconds of CPU.
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "cloudpickle", "numpy", "zeronb.pool._worker",
-           "zeronb.runtime.backend", "zeronb.shards", "zeronb.collectives", "zeronb.ledger", "zeronb.memory",
-           "zeronb.models", "zeronb.zero", "zeronb.train", "zeronb.book.exercises", "zeronb.pool.messages", "zeronb.zero.observe")
+# Imported by the helper before any fork, so that no rank pays for them (torch._dynamo: what the
+# ledger's first TorchDispatchMode imports, seconds of CPU). The pool names its own modules only;
+# `preload` adds the layers above it (zeronb/__init__.py), passed to the helper in its environment.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "cloudpickle", "numpy", "zeronb.pool._worker"]
+_REQUIRED, PRELOAD_ENV = ("torch", "torch.distributed", "cloudpickle", "zeronb.pool._worker"), "ZERONB_PRELOAD"
+
+
+def preload(*modules: str) -> None:
+    """Have the helper import these too before it forks (one that fails there is left to the rank)."""
+    PRELOAD.extend(m for m in modules if m not in PRELOAD)
 
 # Environment variables that libraries read once, when they are loaded: a helper started under
 # other values would hand stale settings to its ranks, so a change starts a new helper.
@@ -146,7 +149,7 @@ class ForkServer:
     def __init__(self, env: dict, path: list):
         self.stamp = _stamp(env)
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(env, PYTHONPATH=os.pathsep.join(path), PYTHONUNBUFFERED="1",
+        env = dict(env, PYTHONPATH=os.pathsep.join(path), PYTHONUNBUFFERED="1", **{PRELOAD_ENV: ",".join(PRELOAD)},
                    # OpenBLAS (numpy's) starts its threads at import; a process that forks must have none
                    OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
                    # torch.cuda.is_available() by NVML, not cuInit: the helper must not touch CUDA
@@ -305,11 +308,11 @@ def serve(fd: int) -> None:
 
     sock = socket.socket(fileno=fd)
     try:
-        for name in PRELOAD:
+        for name in os.environ.get(PRELOAD_ENV, ",".join(PRELOAD)).split(","):
             try:
                 importlib.import_module(name)
             except ImportError:
-                if name in ("torch", "torch.distributed", "cloudpickle", "zeronb.pool._worker"):
+                if name in _REQUIRED:
                     raise
     except BaseException:
         _send(sock, ("error", traceback.format_exc()))

@@ -84,6 +84,16 @@ def join_group(backend: str, device: torch.device, *, store=None, rank: int = -1
     _rank_device = device
 
 
+def join_torchrun_group() -> None:
+    """Under torchrun: join its process group (env:// reads RANK, WORLD_SIZE, MASTER_ADDR/PORT),
+    on this node's GPU LOCAL_RANK where every local rank has one, on the CPU otherwise."""
+    local_rank, per_node = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if dist.is_nccl_available() and cuda_device_count() >= per_node:  # one GPU per local rank, as for a pool
+        join_group("nccl", torch.device("cuda", local_rank))
+    else:
+        join_group("gloo", torch.device("cpu"))
+
+
 def device() -> torch.device:
     """Inside a rank: the device this rank's tensors should live on - its GPU in an NCCL group,
     the CPU otherwise. It does not depend on the calling thread (unlike torch.cuda.current_device)."""

@@ -13,11 +13,15 @@ import struct
 import time
 
 SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # Linux: include/uapi/asm-generic/socket.h
+# The ports of connections that are not between ranks, named in a rank's environment: the
+# rendezvous store's (MASTER_PORT, as torchrun sets it) and a pool's control channel to the notebook.
+CONTROL_PORT_ENV = "ZERONB_PORT"
+NOT_BETWEEN_RANKS = (CONTROL_PORT_ENV, "MASTER_PORT")
 
 def connections() -> dict:
     """{(local address, peer address): fd} for this process's connected TCP sockets, except those to
-    the notebook (control channel, rendezvous store: peer port ZERONB_PORT or MASTER_PORT)."""
-    skip = {int(os.environ[k]) for k in ("ZERONB_PORT", "MASTER_PORT") if os.environ.get(k)}
+    the notebook and the store (peer ports NOT_BETWEEN_RANKS)."""
+    skip = {int(os.environ[k]) for k in NOT_BETWEEN_RANKS if os.environ.get(k)}
     out = {}
     for name in os.listdir("/proc/self/fd"):
         try:

@@ -10,6 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..precision import OPTIMIZERS, PRECISIONS
 from .runner import __doc__ as RUN_DOC, run
 from .runs import RunConfig
 
@@ -27,9 +28,9 @@ def _parse(argv):
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=d.stage)
     p.add_argument("--nproc", type=int, default=2, help="ranks to start (ignored under torchrun)")
     p.add_argument("--model", choices=["mlp", "gpt"], default=d.model)
-    p.add_argument("--precision", "--dtype", choices=["float32", "float64", "bf16-mixed"], default=d.precision,
+    p.add_argument("--precision", "--dtype", choices=list(PRECISIONS), default=d.precision,
                    help="float32, float64, or bf16-mixed (bf16 compute, fp32 master weights); --dtype: the same")
-    p.add_argument("--optimizer", choices=["adam", "sgd"], default=d.optimizer,
+    p.add_argument("--optimizer", choices=list(OPTIMIZERS), default=d.optimizer,
                    help="Adam, or plain SGD (no momentum): parity under SGD shows a mis-scaled gradient")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--seed", type=int, default=d.seed)

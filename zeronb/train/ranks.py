@@ -1,9 +1,8 @@
 """What each rank of a run does: build the model and its stage, train, watch the last step from
-outside (memory, bytes, timeline), and report (a RankReport). Under torchrun it joins torchrun's
-process group first."""
+outside (memory, bytes, timeline), and report (a RankReport). (Under torchrun, zeronb.train.runner
+joins torchrun's process group first: zeronb.runtime.backend.join_torchrun_group.)"""
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
@@ -14,7 +13,7 @@ import torch.distributed as dist
 from .. import checkpoint, memory
 from ..ledger import CommLedger
 from ..models import checkpoint_activations, local_batch, make_model, num_params
-from ..runtime.backend import backend_for, cuda_device_count, device, join_group
+from ..runtime.backend import backend_for, device
 from ..zero.observe import Gradients, MemoryTrace, PhaseTraffic, StepMemory, Timeline
 from .runs import RankReport, RunConfig
 from .stages import build_stage
@@ -82,13 +81,3 @@ def train_rank(config: RunConfig, build=None) -> RankReport:
 
 def train_ranks(configs: list, build=None) -> list:
     return [train_rank(c, build) for c in configs]
-
-
-def join_torchrun_group() -> None:
-    """Under torchrun: join its process group (env:// reads RANK, WORLD_SIZE, MASTER_ADDR/PORT),
-    on this node's GPU LOCAL_RANK where every local rank has one, on the CPU otherwise."""
-    local_rank, per_node = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if dist.is_nccl_available() and cuda_device_count() >= per_node:
-        join_group("nccl", torch.device("cuda", local_rank))
-    else:
-        join_group("gloo", torch.device("cpu"))

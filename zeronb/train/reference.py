@@ -10,6 +10,7 @@ import torch
 
 from .. import memory
 from ..models import checkpoint_activations, global_batch, make_model, num_params
+from ..precision import optimizer_class
 from ..runtime.backend import choose_backend, rank_device
 from .runs import RankReport, RunConfig, RunReport
 
@@ -26,8 +27,7 @@ def train_single(config: RunConfig, device=None) -> RunReport:
     params = list(model.parameters())
     mixed = config.precision == "bf16-mixed"
     master = [p.detach().float().clone() for p in params] if mixed else params
-    optimizer_class = torch.optim.Adam if config.optimizer == "adam" else torch.optim.SGD
-    opt = optimizer_class(master, lr=config.lr, foreach=False)
+    opt = optimizer_class(config.optimizer)(master, lr=config.lr, foreach=False)
     memory.reset_cuda_peak(dev)
     losses, times, grad_norm, grads = [], [], None, None
     for step in range(config.steps):

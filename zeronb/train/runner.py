@@ -35,9 +35,10 @@ import os
 
 import torch.distributed as dist
 
-from ..runtime.topology import parse_rate
 from ..pool.cluster import Cluster
-from .ranks import join_torchrun_group, train_rank, train_ranks
+from ..runtime.backend import join_torchrun_group
+from ..runtime.topology import parse_rate
+from .ranks import train_rank, train_ranks
 from .reference import train_single
 from .runs import RunConfig, RunReport
 

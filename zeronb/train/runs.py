@@ -15,11 +15,12 @@ import torch
 
 from .. import checkpoint
 from ..models import WRAPS, Config
-from ..precision import OPTIMIZERS, precision
+from ..precision import OPTIMIZERS, PRECISIONS, precision
 from ..runtime.topology import parse_rate
 from ..zero.config import REDUCE_SCATTERS, StageConfig
 
 REDUCE_DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16}
+STRUCTURE = ("stage", "impl", "model", "precision", "optimizer")  # what a resume must share with the saved run
 
 
 @dataclass
@@ -70,7 +71,7 @@ class RunConfig:
 
         choice("stage", self.stage, (0, 1, 2, 3))
         choice("model", self.model, ("mlp", "gpt"))
-        choice("precision", self.precision, ("float32", "float64", "bf16-mixed"))
+        choice("precision", self.precision, tuple(PRECISIONS))
         choice("optimizer", self.optimizer, OPTIMIZERS)
         choice("impl", self.impl, ("zeronb", "torch"))
         choice("wrap", self.wrap, WRAPS)
@@ -126,7 +127,7 @@ class RunConfig:
     def _resume_problems(self) -> list[str]:
         try:
             info = checkpoint.read_info(self.resume)
-            checkpoint.check_compatible(info, self.settings())
+            check_compatible(info, self.settings())
         except (FileNotFoundError, ValueError) as e:
             return [f"resume: {e}"]
         if info["steps_done"] >= self.steps:
@@ -135,7 +136,7 @@ class RunConfig:
         return []
 
     def settings(self) -> dict:
-        """What a checkpoint records of the run (a resume must share checkpoint.STRUCTURE)."""
+        """What a checkpoint records of the run (a resume must share STRUCTURE)."""
         return {k: getattr(self, k) for k in ("stage", "impl", "model", "precision", "optimizer", "seed",
                                               "global_batch", "lr")}
 
@@ -153,6 +154,15 @@ class RunConfig:
 
     def replace(self, **changes) -> "RunConfig":
         return dataclasses.replace(self, **changes)
+
+
+def check_compatible(info: dict, settings: dict) -> None:
+    """Raise ValueError unless `settings` continue the run `info` describes."""
+    saved = {"optimizer": "adam", **info}  # (checkpoints from before the choice of optimizer are Adam's)
+    wrong = [f"{k} {settings[k]!r} (saved: {saved.get(k)!r})" for k in STRUCTURE if settings[k] != saved.get(k)]
+    if wrong:
+        raise ValueError("this checkpoint is of another kind of run: " + ", ".join(wrong) + "; resume with the "
+                         "saved settings (the number of ranks may differ)")
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .buckets import Bucket, make_buckets
 from .optim import ShardOptimizer
-from .stage import FlatStage
+from .flat import FlatStage
 
 
 class NaiveDDP(FlatStage):
@@ -37,7 +37,7 @@ class NaiveDDP(FlatStage):
     def end_micro_batch(self):
         if not self.last_micro_batch and self.config.sync_each_micro_batch:
             raise ValueError("NaiveDDP all-reduces once, after the last micro-batch: accumulate with "
-                             "sync_each_micro_batch=False (accum_sync='last'), or use DDP")
+                             "sync_each_micro_batch=False (--accum-sync last), or use DDP")
 
     def step(self):
         for p in self.params:

@@ -158,55 +158,6 @@ class Timeline:
         return sorted(out, key=lambda s: (s[2], s[3]))
 
 
-def covered(intervals) -> float:
-    """How long the union of (start, end) intervals lasts (time covered at least once)."""
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(intervals):
-        if e > end:
-            total += e - max(s, end)
-            end = e
-    return total
-
-
-def overlap(a, b) -> float:
-    """How long some interval of `a` and some interval of `b` run at the same time."""
-    return covered(a) + covered(b) - covered(list(a) + list(b))
-
-
-def spans_of(spans, *kinds) -> list:
-    """The (start, end) of those of a Timeline's spans whose name starts with one of `kinds` (all:
-    none given)."""
-    return [(s, e) for what, _, s, e in spans if not kinds or what.startswith(kinds)]
-
-
-def hidden_share(spans) -> float:
-    """The share of all-gather time during which the rank was computing (a unit's forward or
-    backward): communication hidden under computation. From a Timeline's spans, whose collectives
-    last from their issue to their completion (or the stage's wait, if earlier), never longer. (A
-    unit's span holds whatever else the rank did meanwhile: other observers' work at events inside it
-    too.)"""
-    gathers = spans_of(spans, "all-gather")
-    if not gathers:
-        raise ValueError("these spans hold no all-gather: hidden_share is for ZeRO-3/FSDP runs traced with trace=True")
-    return overlap(gathers, spans_of(spans, "forward", "backward")) / covered(gathers)
-
-
-def zero3_parameters(notes) -> list:
-    """ZeRO-3's memory trace (MemoryTrace.notes) as the bytes of parameters held once each of its
-    hooks has run: [(label, bytes)], labels "forward u" (gathered, about to compute), "after
-    forward u", "backward u" and "after backward u" (reduce-scattered and freed)."""
-    out, previous = [], None
-    for event, unit, held in notes:
-        if event in ("forward", "forward done", "backward"):
-            out.append((f"{event.replace('forward done', 'after forward')} {unit}", held["params"]))
-        elif event == "freed" and previous == "forward done":
-            out[-1] = (f"after forward {unit}", held["params"])  # (the forward hook freed the unit)
-        elif event == "freed":
-            out.append((f"after backward {unit}", held["params"]))
-        previous = event
-    return out
-
-
 class MemoryTrace:
     """What the stage holds - bytes of parameters, gradients and optimizer state, each storage
     counted once (zeronb.memory.measure) - at each event: [(event, key, {"params", "grads",
@@ -301,23 +252,3 @@ class Gradients:
     def __call__(self, stage, event, where):
         if event == "optimizer step":
             self.pieces = {n: (a, b, v.detach().clone()) for n, (a, b, v) in stage.shard_pieces(where).items()}
-
-
-def relative_spans(spans, origin: float | None = None) -> list:
-    """A Timeline's spans [(what, key, start, end)] with their times counted from `origin` (seconds,
-    the spans' clock; by default the earliest start, e.g. a ZeRO-3 step's first all-gather)."""
-    if origin is None:
-        origin = min((start for _, _, start, _ in spans), default=0.0)
-    return [(what, k, start - origin, end - origin) for what, k, start, end in spans]
-
-
-def gathered(notes, shard: int) -> list:
-    """The full parameters a ZeRO-3 rank has gathered after each hook: zero3_parameters(notes) less
-    `shard`, the bytes of its own shards (what it holds between steps, RankReport.bytes["params"]):
-    [(label, bytes)]."""
-    return [(label, held - shard) for label, held in zero3_parameters(notes)]
-
-
-def peak_gathered(notes, shard: int) -> int:
-    """The most bytes of full parameters alive at once during the step: the peak of gathered()."""
-    return max((nbytes for _, nbytes in gathered(notes, shard)), default=0)

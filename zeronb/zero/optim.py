@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from ..memory import optimizer_tensors
+from ..precision import optimizer_class
 from .config import StageConfig
 
 
@@ -22,8 +23,7 @@ class ShardOptimizer:
         self.mixed = config.precision_spec.master
         self.master = [s.detach().float().clone() for s in shards] if self.mixed else shards
         # foreach=False: the same per-tensor arithmetic as the single-process reference
-        cls = torch.optim.Adam if config.optimizer == "adam" else torch.optim.SGD
-        self.optimizer = cls(self.master, lr=config.lr, foreach=False)
+        self.optimizer = optimizer_class(config.optimizer)(self.master, lr=config.lr, foreach=False)
         self._norm = None  # the whole model's gradient norm in the last step, before clipping
 
     def step(self, grads: list) -> None:

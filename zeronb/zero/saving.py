@@ -1,7 +1,7 @@
 """What a flat stage (zeronb's DDP, ZeRO-1, -2, -3) saves and loads, and which piece of each
 parameter its shards hold: the checkpoint (zeronb.checkpoint, with torch.distributed.checkpoint)
-and the parity checks (zeronb.train.parity) read a stage through these, so that the stage's own
-modules keep only the step."""
+and the gradient watcher behind the parity checks (zeronb.zero.observe.Gradients) read a stage
+through these, so that the stage's own modules keep only the step."""
 from __future__ import annotations
 
 from ..runtime.compat import dtensor

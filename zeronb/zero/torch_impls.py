@@ -30,6 +30,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import memory
+from ..precision import optimizer_class
 from ..runtime.backend import device
 from ..runtime.compat import dtensor, fsdp2_unsharded_grads, fully_shard, mixed_precision_policy
 from ..runtime.groups import device_mesh
@@ -54,10 +55,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor: an FSDP2 DTensor gathered from its shards, any other as it is."""
     DTensor, _, _ = dtensor()
     return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _optimizer_class(config):
-    return torch.optim.Adam if config.optimizer == "adam" else torch.optim.SGD
 
 
 class TorchStage(Stage):
@@ -123,7 +120,7 @@ class TorchDDP(TorchStage):
         self.claim_model()
 
     def make_optimizer(self):
-        return _optimizer_class(self.config)(self.model.parameters(), lr=self.config.lr, foreach=False)
+        return optimizer_class(self.config.optimizer)(self.model.parameters(), lr=self.config.lr, foreach=False)
 
     def gradient_sync(self, sync):
         """Skipping the gradient sync on all but the last micro-batch: DDP's `no_sync()`."""
@@ -137,7 +134,7 @@ class TorchZeRO1(TorchDDP):
     stage = 1
 
     def make_optimizer(self):
-        return ZeroRedundancyOptimizer(self.model.parameters(), optimizer_class=_optimizer_class(self.config),
+        return ZeroRedundancyOptimizer(self.model.parameters(), optimizer_class=optimizer_class(self.config.optimizer),
                                        process_group=self.shard_group, lr=self.config.lr, foreach=False)
 
     def state_tensors(self):
@@ -180,7 +177,7 @@ class TorchFSDP(TorchStage):
                 raise ValueError("hpz is stage 3's, and needs a pool on several nodes")
             reshard = Topology.from_env().per_node  # the node's ranks: backward gathers within it
         self.wrapped = self.fully_shard(model, mesh, reshard, reshard_last_unit)
-        self.optimizer = _optimizer_class(self.config)(model.parameters(), lr=self.config.lr, foreach=False)
+        self.optimizer = optimizer_class(self.config.optimizer)(model.parameters(), lr=self.config.lr, foreach=False)
         self.claim_model()
 
     def fully_shard(self, model, mesh, reshard_after_forward: bool | int, reshard_last_unit: bool = True):

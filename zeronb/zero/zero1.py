@@ -19,7 +19,7 @@ import torch
 
 from .buckets import make_buckets, reduce_scatter_into
 from .optim import ShardOptimizer
-from .stage import FlatStage
+from .flat import FlatStage
 
 
 class ZeRO1(FlatStage):

@@ -19,7 +19,7 @@ import torch
 
 from .buckets import make_buckets
 from .optim import ShardOptimizer
-from .stage import FlatStage
+from .flat import FlatStage
 
 
 class ZeRO2(FlatStage):

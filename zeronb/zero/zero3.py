@@ -35,7 +35,7 @@ import torch
 from ..runtime.compat import all_gather_single
 from .buckets import Bucket
 from .optim import ShardOptimizer
-from .stage import FlatStage
+from .flat import FlatStage
 
 # The first unit's inputs (token ids, or a batch that needs no gradient) have no gradient, and
 # PyTorch warns that the unit's full backward hook then fires on its outputs' gradients: which is
