@@ -1,13 +1,17 @@
 """The shape of the package a learner opens: its folders are its layers, and imports go one way.
 
-Layers, lowest first (each folder's __init__ says what it is and what it may import):
+Layers, and what each may import (each folder's __init__ says the same):
 
-    runtime    torch-version shims, backend and device, topology, sockets, links, process groups
-    pool       the rank processes a notebook drives (zeronb.start / run / %%ranks)
-    lessons    the modules at the top level: shards, collectives, ledger, cost, precision, memory, models, checkpoint
-    zero       the stages (zeronb's and PyTorch's) and what watches them
-    train      RunConfig -> a run on a pool or under torchrun, and its report
-    book, bench  the chapters' helpers and exercises; the benchmarks
+    runtime    torch-version shims, backend and device, topology, sockets, links, groups    nothing of zeronb
+    pool       the rank processes a notebook drives (zeronb.start / run / %%ranks)           runtime
+    lessons    the top-level modules: shards, collectives, ledger, cost, precision,          runtime
+               memory, models, checkpoint
+    zero       the stages (zeronb's and PyTorch's) and what watches them                     lessons, runtime
+    train      RunConfig -> a run on a pool or under torchrun, and its report                zero, lessons, pool, runtime
+    book       the chapters' helpers and exercises                                           all but bench
+    bench      the benchmarks                                                                all but book
+
+The package's root (__init__, __main__) stands outside the layers: it may import any of them.
 
 The import graph is read from the source with `ast`: every import, inside functions too, and
 `from .pkg import name` counts as an import of the submodule of pkg that defines `name`.
@@ -19,7 +23,10 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "zeronb"
-LAYERS = ("runtime", "pool", "lessons", "zero", "train", "book", "bench")
+BELOW = {"runtime": set(), "pool": {"runtime"}, "lessons": {"runtime"}, "zero": {"lessons", "runtime"},
+         "train": {"zero", "lessons", "pool", "runtime"}}
+BELOW["book"] = BELOW["bench"] = set(BELOW) | BELOW["train"]
+LAYERS = tuple(BELOW)
 
 
 def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
@@ -113,15 +120,11 @@ def layer(module: str):
 
 
 def upward_imports(graph) -> list:
-    """(module, imported module) pairs where a lower layer imports a higher one."""
-    rank = {name: i for i, name in enumerate(LAYERS)}
-    rank["bench"] = rank["book"]  # side by side at the top: neither imports the other
+    """(module, imported module) pairs where a layer imports one it may not (BELOW)."""
     out = []
     for m, deps in graph.items():
         for d in deps:
-            if layer(m) is None or layer(d) is None:
-                continue
-            if rank[layer(d)] > rank[layer(m)] or (rank[layer(d)] == rank[layer(m)] and layer(d) != layer(m)):
+            if layer(m) is not None and layer(d) is not None and layer(d) != layer(m) and layer(d) not in BELOW[layer(m)]:
                 out.append((m, d))
     return sorted(out)
 
@@ -172,6 +175,14 @@ def test_the_direction_test_fails_on_a_lower_layer_importing_a_higher_one(tmp_pa
                                 "runtime/groups.py": "def f():\n    from ..zero import stage\n",
                                 "zero/__init__.py": "", "zero/stage.py": "from ..runtime import groups\n"})
     assert upward_imports(imports(package)) == [("pkg.runtime.groups", "pkg.zero.stage")]
+
+
+def test_the_stages_may_not_reach_into_the_pool(tmp_path):
+    # the pool is a branch beside the lessons, not a rung below the stages: only training drives it
+    package = _plant(tmp_path, {"__init__.py": "", "pool/__init__.py": "", "pool/cluster.py": "",
+                                "zero/__init__.py": "", "zero/stage.py": "from ..pool import cluster\n",
+                                "train/__init__.py": "", "train/runner.py": "from ..pool import cluster\n"})
+    assert upward_imports(imports(package)) == [("pkg.zero.stage", "pkg.pool.cluster")]
 
 
 def test_the_cycle_finder_finds_a_cycle():

@@ -8,9 +8,8 @@ bucket's parameters, Adam's two moments (plain SGD has none) and, in bf16-mixed,
 copy as 1-D DTensors of the bucket's real length. DCP writes each rank's piece with its offset; on
 load, each rank reads the pieces that overlap the chunk it holds *now*, whatever the number of
 ranks that wrote them. What every rank holds whole (DDP's buckets, Adam's step count) is saved as
-plain tensors, written once. Each stage says what it saves (Stage.checkpoint_state); this module
-only saves, loads, reads and exports (what a resume must share with the saved run is
-zeronb.train.runs' STRUCTURE).
+plain tensors, written once. Each stage says what it saves (its `checkpoint_state`), under the names this module
+defines (`bucket_key`, MODEL, OPTIM, STEP); this module saves, loads, reads and exports.
 
 PyTorch's counterparts go through torch.distributed.checkpoint.state_dict (FSDP2's parameters are
 DTensors already). ZeroRedundancyOptimizer keeps each parameter's Adam state on the one rank that
@@ -35,6 +34,16 @@ import torch.distributed.checkpoint as dcp
 
 
 INFO = "zeronb.json"
+# The names a checkpoint's tensors go by, which the stages write (zeronb.zero.saving, .torch_impls)
+# and `export` reads back: a flat stage's bucket tensors, its optimizer's step count; PyTorch's
+# state dicts under MODEL and OPTIM. A flat stage also records its layout, {bucket: [[parameter
+# name, shape], ...]} (None: the tensors are saved by name).
+MODEL, OPTIM, STEP = "model", "optim", "optimizer.step"
+
+
+def bucket_key(bucket: str, kind: str) -> str:
+    """The name of a flat stage's tensor: `kind` ("params", "exp_avg", "master", ...) of `bucket`."""
+    return f"{bucket}.{kind}"
 
 
 # --- save, load, read, export ---------------------------------------------------------------------------
@@ -78,19 +87,19 @@ def export(directory: str, path: str | None = None) -> dict:
     sizes = FileSystemReader(directory).read_metadata().state_dict_metadata
     if info["buckets"] is None:  # PyTorch's own: the model's state dict, by name
         wanted = {k: torch.empty(sizes[k].size, dtype=sizes[k].properties.dtype)
-                  for k in sizes if k.startswith("model.")}
+                  for k in sizes if k.startswith(MODEL + ".")}
     else:  # zeronb's: each bucket's flat parameters, to be cut into the parameters it holds
-        wanted = {f"{b}.params": torch.empty(sizes[f"{b}.params"].size, dtype=sizes[f"{b}.params"].properties.dtype)
-                  for b in info["buckets"]}
+        keys = [bucket_key(b, "params") for b in info["buckets"]]
+        wanted = {k: torch.empty(sizes[k].size, dtype=sizes[k].properties.dtype) for k in keys}
     with warnings.catch_warnings():  # ("no process group: loading in one process" - as meant)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(wanted, checkpoint_id=directory, no_dist=True)
     if info["buckets"] is None:
-        full = {k.removeprefix("model."): v for k, v in wanted.items()}
+        full = {k.removeprefix(MODEL + "."): v for k, v in wanted.items()}
     else:
         full = {}
         for bucket, params in info["buckets"].items():
-            flat, offset = wanted[f"{bucket}.params"], 0
+            flat, offset = wanted[bucket_key(bucket, "params")], 0
             for name, shape in params:
                 numel = int(torch.Size(shape).numel())
                 full[name] = flat[offset:offset + numel].view(shape).clone()
@@ -113,8 +122,9 @@ def main(argv=None) -> int:
         p.error(str(e))
     info = read_info(args.directory)
     size = sum(t.numel() * t.element_size() for t in full.values())
-    print(f"{args.output}: {len(full)} tensors, {size / 1024:.1f} KiB, of a stage {info['stage']} ({info['impl']}) "
-          f"run saved by {info['world_size']} rank(s) after {info['steps_done']} steps")
+    recorded = ", ".join(f"{k} {v}" for k, v in info.items() if k not in ("world_size", "buckets"))
+    print(f"{args.output}: {len(full)} tensors, {size / 1024:.1f} KiB, saved by {info['world_size']} rank(s) "
+          f"({recorded})")
     return 0
 
 

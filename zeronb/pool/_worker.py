@@ -13,7 +13,6 @@ import os
 import sys
 
 from zeronb.pool.messages import Hello, Reply, end_marker
-from zeronb.runtime.sockets import CONTROL_PORT_ENV  # (stdlib only: no torch before the rank is set up)
 
 def _die_with_parent(parent_pid: int) -> None:
     """Exit as soon as the parent process is gone, even while user code holds the main thread
@@ -142,7 +141,7 @@ def main(authkey: bytes) -> None:
     if threads:
         torch.set_num_threads(int(threads))
 
-    conn = Client((os.environ["ZERONB_HOST"], int(os.environ[CONTROL_PORT_ENV])), authkey=authkey)
+    conn = Client((os.environ["ZERONB_HOST"], int(os.environ["ZERONB_PORT"])), authkey=authkey)
     conn.send(Hello(rank, os.getpid()))
 
     backend = os.environ["ZERONB_BACKEND"]

@@ -17,7 +17,7 @@ from multiprocessing.connection import Listener
 
 import torch.distributed as dist
 
-from ..runtime.sockets import CONTROL_PORT_ENV
+from ..runtime.sockets import OTHER_PORTS_ENV
 from ..runtime.topology import INTER_ENV, INTRA_ENV, link_environment
 from . import forkserver
 from .errors import signal_name
@@ -128,7 +128,8 @@ def rank_environment(env: dict, *, world_size: int, nodes: int, store_port: int,
     common.update({
         "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(per_node),
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store_port),
-        "ZERONB_HOST": control[0], CONTROL_PORT_ENV: str(control[1]),
+        "ZERONB_HOST": control[0], "ZERONB_PORT": str(control[1]),
+        OTHER_PORTS_ENV: str(control[1]),  # the control channel: not a link between ranks
         "ZERONB_BACKEND": backend, "ZERONB_THREADS": str(threads),
         "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
         # one machine: gloo's pairs and NCCL's bootstrap listen on loopback, not the network

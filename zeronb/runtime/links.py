@@ -27,6 +27,8 @@ import threading
 import time
 from datetime import timedelta
 
+import torch.distributed as dist
+
 from .compat import after_new_group
 from .sockets import UNPACED, connections, set_pacing
 from .topology import INTER_ENV, INTRA_ENV, Topology, parse_rate
@@ -43,8 +45,6 @@ class Links:
 
     def __init__(self, store_address: tuple, rank: int, topology: Topology, inter: int | None = None,
                  intra: int | None = None, poll_s: float = 0.05):
-        import torch.distributed as dist
-
         self.rank, self.topology, self.rates = rank, topology, {"inter": inter, "intra": intra}
         self._store_address, self._poll_s = store_address, poll_s
         self._store = dist.TCPStore(*store_address, is_master=False, timeout=timedelta(seconds=60))
@@ -91,8 +91,6 @@ class Links:
         return self
 
     def _watch(self) -> None:
-        import torch.distributed as dist
-
         store = dist.TCPStore(*self._store_address, is_master=False, timeout=timedelta(seconds=60))
         while True:
             time.sleep(self._poll_s)

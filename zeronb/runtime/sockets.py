@@ -13,15 +13,15 @@ import struct
 import time
 
 SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # Linux: include/uapi/asm-generic/socket.h
-# The ports of connections that are not between ranks, named in a rank's environment: the
-# rendezvous store's (MASTER_PORT, as torchrun sets it) and a pool's control channel to the notebook.
-CONTROL_PORT_ENV = "ZERONB_PORT"
-NOT_BETWEEN_RANKS = (CONTROL_PORT_ENV, "MASTER_PORT")
+# Connections that are not between ranks, by their peer's port: the rendezvous store's (MASTER_PORT,
+# as torchrun sets it) and any the rank's launcher lists in OTHER_PORTS_ENV (comma-separated).
+OTHER_PORTS_ENV = "ZERONB_OTHER_PORTS"
 
 def connections() -> dict:
     """{(local address, peer address): fd} for this process's connected TCP sockets, except those to
-    the notebook and the store (peer ports NOT_BETWEEN_RANKS)."""
-    skip = {int(os.environ[k]) for k in NOT_BETWEEN_RANKS if os.environ.get(k)}
+    the rendezvous store and those the launcher named (peer ports MASTER_PORT, OTHER_PORTS_ENV)."""
+    named = os.environ.get(OTHER_PORTS_ENV, "").split(",") + [os.environ.get("MASTER_PORT", "")]
+    skip = {int(port) for port in named if port}
     out = {}
     for name in os.listdir("/proc/self/fd"):
         try:

@@ -10,7 +10,7 @@ import torch
 
 from .. import memory
 from ..models import checkpoint_activations, global_batch, make_model, num_params
-from ..precision import optimizer_class
+from ..precision import optimizer_class, precision
 from ..runtime.backend import choose_backend, rank_device
 from .runs import RankReport, RunConfig, RunReport
 
@@ -25,7 +25,7 @@ def train_single(config: RunConfig, device=None) -> RunReport:
     if config.activation_checkpointing:
         checkpoint_activations(model)
     params = list(model.parameters())
-    mixed = config.precision == "bf16-mixed"
+    mixed = precision(config.precision).master
     master = [p.detach().float().clone() for p in params] if mixed else params
     opt = optimizer_class(config.optimizer)(master, lr=config.lr, foreach=False)
     memory.reset_cuda_peak(dev)

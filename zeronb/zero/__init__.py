@@ -8,8 +8,10 @@ and one config (config.StageConfig); PyTorch's counterparts behind the same inte
     stage.state_tensors()                # {"params": [...], "grads": [...], "optimizer": [...]}
     stage.full_parameters()              # {name: full tensor}, gathered if sharded
 
-What every stage shares is in buckets.py (parameters in flat buffers, and their gradients' state
-during a step) and optim.py (the optimizer on a rank's shards).
+What zeronb's stages share is in flat.py (FlatStage: gradient hooks, the collectives on buckets,
+the one division by N), buckets.py (parameters in flat buffers, their gradients' state and
+collectives during a step), optim.py (the optimizer on a rank's shards) and saving.py (what a
+stage saves and loads, and which piece of each parameter its shards hold).
 
 May import the lessons (zeronb.collectives, .shards, .memory, .precision, .ledger, ...) and
 zeronb.runtime (process groups come from zeronb.runtime.groups); not the pool, training or book.

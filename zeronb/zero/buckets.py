@@ -8,11 +8,14 @@ bucket instead of one per parameter - and chunk r of it is rank r's shard.
 During backward a bucket also keeps track of its gradients: which have landed (`ready`), the
 collective in flight (`work`, carrying the flat tensor `comm`), and where the result goes (`grad`,
 a flat buffer of the full gradients, for DDP and ZeRO-1; `grad_shard`, this rank's chunk of the
-summed gradients, for ZeRO-1 during a step and for ZeRO-2 and ZeRO-3).
+summed gradients, for ZeRO-1 during a step and for ZeRO-2 and ZeRO-3). It runs the collectives on
+them itself (`start_all_reduce` / `finish`, `reduce_scatter`); the stage decides when, and divides
+by N before they leave (zeronb.zero.flat.FlatStage.divided_).
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ..collectives import ring_reduce_scatter
 from ..runtime.compat import reduce_scatter_single
@@ -46,6 +49,7 @@ class Bucket:
         self.grad_shard = None   # this rank's chunk of the summed gradients (ZeRO-1, -2, -3)
         self.comm = None         # the flat tensor a collective is carrying
         self.work = None         # that collective, while it is in flight
+        self._into = None        # where an all-reduce in flight lands (a reduce_dtype copy is copied back)
 
     def chunk(self, rank: int, flat: torch.Tensor = None) -> torch.Tensor:
         """Rank `rank`'s chunk of `flat` (default: of the parameters)."""
@@ -88,6 +92,35 @@ class Bucket:
         for p in self.params:
             p.grad = None
         return flat
+
+    def new_grad_shard(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A zero `grad_shard` (in `dtype`, default the parameters'): where reduce-scatters add."""
+        self.grad_shard = torch.zeros(self.chunk_numel, dtype=dtype or self.data.dtype, device=self.data.device)
+        return self.grad_shard
+
+    def reduce_scatter(self, *, dtype: torch.dtype | None = None, group=None, ring: bool = False) -> None:
+        """Add this rank's chunk of the sum over `group` of `comm` (the gradients, flat and padded)
+        into `grad_shard` (made on first use), then drop `comm`: only the shard remains."""
+        if self.grad_shard is None:
+            self.new_grad_shard()
+        reduce_scatter_into(self.grad_shard, self.comm, dtype=dtype, group=group, ring=ring)
+        self.comm = None
+
+    def start_all_reduce(self, grads: torch.Tensor, *, dtype: torch.dtype | None = None, group=None) -> None:
+        """Start the all-reduce of `grads` (flat, summed in place) in `dtype` (None: their own) and
+        return at once: `finish` waits for it."""
+        self.comm = grads if dtype in (None, grads.dtype) else grads.to(dtype)
+        self.work, self._into = dist.all_reduce(self.comm, group=group, async_op=True), grads
+
+    def finish(self) -> bool:
+        """Wait for the all-reduce in flight and copy a reduce_dtype result back; False if none was."""
+        if self.work is None:
+            return False
+        self.work.wait()
+        if self.comm is not self._into:
+            self._into.copy_(self.comm)
+        self.comm = self.work = self._into = None
+        return True
 
     def pieces(self, flat: torch.Tensor, names: dict, rank: int | None = None) -> dict:
         """What `flat` - chunk `rank` of a tensor laid out like this bucket, or (rank None) all of

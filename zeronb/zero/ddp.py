@@ -75,20 +75,13 @@ class DDP(FlatStage):
         that comes back is the average. With accumulation, the next micro-batch's backward adds
         into that average, and dividing and summing again adds its own average to it. In
         reduce_dtype if one is set."""
-        self.divided_(b.grad)
-        dtype = self.config.reduce_dtype
-        b.comm = b.grad if dtype in (None, b.grad.dtype) else b.grad.to(dtype)
-        b.work = dist.all_reduce(b.comm, group=self.shard_group, async_op=True)
+        b.start_all_reduce(self.divided_(b.grad), dtype=self.config.reduce_dtype, group=self.shard_group)
         self.tell("all-reduce", b)
 
     def _wait(self):
         """Wait for every bucket's all-reduce (and copy a reduce_dtype result back)."""
         for b in self.buckets:
-            if b.work is not None:
-                b.work.wait()
-                if b.comm is not b.grad:
-                    b.grad.copy_(b.comm)
-                b.comm = b.work = None
+            if b.finish():
                 self.tell("all-reduce done", b)
 
     def end_micro_batch(self):

@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.compat import all_gather_single
-from .buckets import reduce_scatter_into
 from .saving import FlatSaving
 from .stage import Stage
 
@@ -48,9 +47,7 @@ class FlatStage(FlatSaving, Stage):
         shard remains. In reduce_dtype if one is set; through zeronb's ring if config says so."""
         b.comm = self.divided_(b.take_grads())
         self.tell("reduce-scatter", b)
-        reduce_scatter_into(b.grad_shard, b.comm, dtype=self.config.reduce_dtype, group=self.shard_group,
-                            ring=self.config.reduce_scatter == "ring")
-        b.comm = None
+        b.reduce_scatter(dtype=self.config.reduce_dtype, group=self.shard_group, ring=self.config.reduce_scatter == "ring")
         self.tell("reduce-scatter done", b)
 
     def gather_parameters(self) -> None:

@@ -4,6 +4,7 @@ and the gradient watcher behind the parity checks (zeronb.zero.observe.Gradients
 through these, so that the stage's own modules keep only the step."""
 from __future__ import annotations
 
+from ..checkpoint import STEP, bucket_key
 from ..runtime.compat import dtensor
 from ..runtime.groups import device_mesh
 from ..shards import shard_numel
@@ -36,19 +37,19 @@ class FlatSaving:
             for kind, t in kinds.items():
                 if self.sharded:  # this rank's chunk, less its padding: torch.chunk's piece of the bucket
                     local = t[:shard_numel(bucket.numel, self.num_shards, self.shard_rank)]
-                    state[f"{bucket.name}.{kind}"] = DTensor.from_local(
+                    state[bucket_key(bucket.name, kind)] = DTensor.from_local(
                         local, device_mesh(self.num_shards, group=self.shard_group), [Shard(0)], run_check=False,
                         shape=(bucket.numel,), stride=(1,))
                 else:  # the whole bucket, the same on every rank
-                    state[f"{bucket.name}.{kind}"] = t[:bucket.numel]
+                    state[bucket_key(bucket.name, kind)] = t[:bucket.numel]
             if "step" in opt.state_of(i):
-                state["optimizer.step"] = opt.state_of(i)["step"]  # every bucket's: the same count
+                state[STEP] = opt.state_of(i)["step"]  # every bucket's: the same count
         return state
 
     def load_checkpoint_state(self, state):
-        if "optimizer.step" in state:  # what loading could not write in place: into every shard's state
+        if STEP in state:  # what loading could not write in place: into every shard's state
             for s in self.optimizer.states():
-                s["step"].copy_(state["optimizer.step"])
+                s["step"].copy_(state[STEP])
         self.after_load()
 
     def after_load(self) -> None:

@@ -30,6 +30,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import memory
+from ..checkpoint import MODEL, OPTIM
 from ..precision import optimizer_class
 from ..runtime.backend import device
 from ..runtime.compat import dtensor, fsdp2_unsharded_grads, fully_shard, mixed_precision_policy
@@ -97,11 +98,11 @@ class TorchStage(Stage):
 
     def checkpoint_state(self):
         """The model's and optimizer's state dicts as DCP expects them (torch.distributed.checkpoint.state_dict)."""
-        return {"model": get_model_state_dict(self.model), "optim": get_optimizer_state_dict(self.model, self.optimizer)}
+        return {MODEL: get_model_state_dict(self.model), OPTIM: get_optimizer_state_dict(self.model, self.optimizer)}
 
     def load_checkpoint_state(self, state):
-        set_model_state_dict(self.model, state["model"])
-        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+        set_model_state_dict(self.model, state[MODEL])
+        set_optimizer_state_dict(self.model, self.optimizer, state[OPTIM])
 
 
 class TorchDDP(TorchStage):
@@ -148,12 +149,12 @@ class TorchZeRO1(TorchDDP):
         local = self.optimizer.optim
         init_state(local)
         names = {p: n for n, p in self.model.named_parameters()}
-        owned = {f"optim.{names[p]}.{k}": v for group in local.param_groups for p in group["params"]
+        owned = {f"{OPTIM}.{names[p]}.{k}": v for group in local.param_groups for p in group["params"]
                  for k, v in local.state[p].items()}
-        return {"model": get_model_state_dict(self.model), **owned}
+        return {MODEL: get_model_state_dict(self.model), **owned}
 
     def load_checkpoint_state(self, state):
-        set_model_state_dict(self.model, state["model"])  # (the optimizer's states were loaded in place)
+        set_model_state_dict(self.model, state[MODEL])  # (the optimizer's states were loaded in place)
 
 
 class TorchFSDP(TorchStage):

@@ -15,9 +15,8 @@ them), so this saves optimizer memory for free in bandwidth.
 """
 from __future__ import annotations
 
-import torch
 
-from .buckets import make_buckets, reduce_scatter_into
+from .buckets import make_buckets
 from .optim import ShardOptimizer
 from .flat import FlatStage
 
@@ -41,11 +40,10 @@ class ZeRO1(FlatStage):
     def _reduce_scatter(self):
         """2. Rank r gets the sum of everyone's chunk r (added to what earlier micro-batches sent, in
         reduce_dtype if one is set: bf16 halves the bytes, and rounds the sums)."""
-        if self.flat.grad_shard is None:
-            self.flat.grad_shard = torch.zeros_like(self.shard)
+        self.flat.comm = self.divided_(self.flat.grad)  # the gradient buffer itself goes out
         self.tell("reduce-scatter", self.flat)
-        reduce_scatter_into(self.flat.grad_shard, self.divided_(self.flat.grad), dtype=self.config.reduce_dtype,
-                            group=self.shard_group, ring=self.config.reduce_scatter == "ring")
+        self.flat.reduce_scatter(dtype=self.config.reduce_dtype, group=self.shard_group,
+                                 ring=self.config.reduce_scatter == "ring")  # into flat.grad_shard, made on first use
         self.flat.grad.zero_()  # sent: the next micro-batch's gradients start from zero
         self.tell("reduce-scatter done", self.flat)
 

@@ -33,7 +33,7 @@ class ZeRO2(FlatStage):
         self.buckets = make_buckets(list(model.parameters()), self.num_shards, bucket_bytes)
         for b in self.buckets:
             # the summed gradient of this rank's chunk: the only gradient memory that stays
-            b.grad_shard = torch.zeros_like(b.chunk(self.shard_rank), dtype=grad_shard_dtype)
+            b.new_grad_shard(grad_shard_dtype)
         self.hook_gradients(self.buckets)
         self.optimizer = ShardOptimizer([b.chunk(self.shard_rank) for b in self.buckets], self.config,
                                         group=self.shard_group)

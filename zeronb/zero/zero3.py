@@ -62,41 +62,37 @@ class Unit(Bucket):
         self.shard = self.chunk(rank).clone()  # the only copy of the parameters kept
         self.grad_shard = torch.zeros_like(self.shard)
         self.nbytes = self.data.untyped_storage().nbytes()
-        self.gathered = True
+        self.gathered, self._finish = True, None
 
     def free(self) -> None:
-        """Drop the full parameters: only the shard remains."""
-        if self.work is not None:  # (a gather still on its way: let it land first)
-            self.wait()
-        if self.gathered:
-            self.data.untyped_storage().resize_(0)
-            self.gathered = False
+        """Drop the full parameters: only the shard remains (again: nothing changes)."""
+        self.data.untyped_storage().resize_(0)
+        self.gathered = False
 
-    def make_room(self) -> bool:
-        """Give the full parameters their storage back, for a gather to fill; False if they are here
-        or on their way already (nothing to do)."""
+    def gather(self, group) -> bool:
+        """Issue the all-gather of the full parameters into the unit's buffer, unless they are here or
+        on their way (False); `wait` waits. Written through .data: autograd must not see an in-place change."""
+        return self.gather_with(lambda: all_gather_single(self.data.data, self.shard, group=group, async_op=True))
+
+    def gather_with(self, start, finish=None) -> bool:
+        """Gather the full parameters some way (ZeRO++ has two more): give them their storage back,
+        and `start()` issues the collective and returns its work; `finish()`, if given, completes the
+        buffer once the work is done (`wait` runs it). False, doing nothing, if they are here or on
+        their way already."""
         if self.gathered or self.work is not None:
             return False
         self.data.untyped_storage().resize_(self.nbytes)
-        return True
-
-    def gather(self, group, shard: torch.Tensor | None = None) -> bool:
-        """Issue the all-gather of the full parameters into the unit's buffer (the parameters'
-        views will see them) from every rank's `shard` (default: this unit's) over `group`, without
-        waiting for it: `wait` does. False if there was nothing to gather."""
-        if not self.make_room():
-            return False
-        # write through .data: autograd must not see this as an in-place change of a saved tensor
-        self.work = all_gather_single(self.data.data, self.shard if shard is None else shard, group=group,
-                                      async_op=True)
+        self.work, self._finish = start(), finish
         return True
 
     def wait(self) -> bool:
-        """Wait for the gather on its way; False if none was."""
+        """Wait for the gather on its way, and finish it; False if none was."""
         if self.work is None:
             return False
         self.work.wait()
-        self.work = None
+        if self._finish is not None:
+            self._finish()
+        self.work = self._finish = None
         self.gathered = True
         return True
 

@@ -66,7 +66,6 @@ class ZeROPlusPlus(ZeRO3):
             self.node_group, _ = node_groups()
             self.local_rank, self.per_node = topology.local_rank(self.shard_rank), topology.per_node
         self.secondary: dict = {}  # hpZ: unit index -> this rank's secondary shard, from forward to the step
-        self._pending: dict = {}   # qwZ: unit index -> what finishes its quantized gather
         self.in_backward = False
 
     def begin_micro_batch(self):
@@ -84,30 +83,34 @@ class ZeROPlusPlus(ZeRO3):
         super()._after_forward(u)
 
     def _issue_gather(self, u: Unit):
-        if self.in_backward and self.hpz and u.index in self.secondary:
-            if u.gather(self.node_group, self.secondary[u.index]):  # within the node: from the secondary shards
-                self.tell("all-gather", u)
+        if self.in_backward and self.hpz and u.index in self.secondary:  # within the node: the secondary shards
+            secondary = self.secondary[u.index]
+            issued = u.gather_with(lambda: all_gather_single(u.data.data, secondary, group=self.node_group, async_op=True))
         elif not self.in_backward and self.quantize_weights:
-            if not u.make_room():
-                return
+            issued = u.gather_with(*self._quantized_gather(u))
+        else:
+            return super()._issue_gather(u)
+        if issued:
+            self.tell("all-gather", u)
+
+    def _quantized_gather(self, u: Unit):
+        """qwZ's gather as (start, finish): every rank's shard in int8 with its scales, in one message;
+        then each rank's piece dequantized into the unit's buffer."""
+        sent = {}
+
+        def start():
             values, scale = quantize_int8(u.shard)
             packed = torch.cat([values, scale.view(torch.int8)])  # one message: the values and their scales
-            full = packed.new_empty(self.num_shards * packed.numel())
-            u.work = all_gather_single(full, packed, group=self.shard_group, async_op=True)
-            self._pending[u.index] = (full.view(self.num_shards, -1), values.numel())
-            self.tell("all-gather", u)
-        else:
-            super()._issue_gather(u)
+            sent.update(full=packed.new_empty(self.num_shards * packed.numel()), n=values.numel())
+            return all_gather_single(sent["full"], packed, group=self.shard_group, async_op=True)
 
-    def _gather(self, u: Unit):
-        super()._gather(u)
-        if u.index in self._pending:  # qwZ: dequantize every rank's shard into the unit's buffer
-            full, n_values = self._pending.pop(u.index)
-            chunk = u.chunk_numel
+        def finish():
+            chunk, n = u.chunk_numel, sent["n"]
             with torch.no_grad():
-                for r, row in enumerate(full):
-                    scale = row[n_values:].view(torch.float32)
-                    u.data.data[r * chunk:(r + 1) * chunk] = dequantize_int8(row[:n_values], scale, chunk).to(u.data.dtype)
+                for r, row in enumerate(sent["full"].view(self.num_shards, -1)):
+                    values, scale = row[:n], row[n:].view(torch.float32)
+                    u.data.data[r * chunk:(r + 1) * chunk] = dequantize_int8(values, scale, chunk).to(u.data.dtype)
+        return start, finish
 
     def step(self):
         super().step()
