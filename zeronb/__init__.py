@@ -23,8 +23,8 @@ def _in_ipython() -> bool:
 
 from .pool import forkserver  # noqa: E402  (imports no torch)
 
-# What the ranks run, imported once by the helper process the ranks are forked from (the pool
-# itself names only its own modules: it sits below these layers).
+# What the ranks run, imported once by the helper process the ranks are forked from. The pool names
+# only its own modules; the package's root, which stands above every layer, names the rest.
 forkserver.preload("zeronb.runtime.backend", "zeronb.shards", "zeronb.collectives", "zeronb.ledger", "zeronb.memory",
                    "zeronb.models", "zeronb.zero", "zeronb.zero.observe", "zeronb.train", "zeronb.book.exercises")
 if _in_ipython():  # before importing torch here, so that both imports run at once

@@ -1,24 +1,16 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP): every rank writes only what it
 holds, and a run resumes on any number of ranks.
 
-zeronb's stages keep parameters and the optimizer's state in flat buckets, rank r holding chunk r
-of each (zeronb.shards: torch.chunk's rule). Without its padding, that chunk is exactly what a
-DTensor with placement Shard(0) over a 1-D mesh of the ranks holds. So a checkpoint presents each
-bucket's parameters, Adam's two moments (plain SGD has none) and, in bf16-mixed, the fp32 master
-copy as 1-D DTensors of the bucket's real length. DCP writes each rank's piece with its offset; on
-load, each rank reads the pieces that overlap the chunk it holds *now*, whatever the number of
-ranks that wrote them. What every rank holds whole (DDP's buckets, Adam's step count) is saved as
-plain tensors, written once. Each stage says what it saves (its `checkpoint_state`), under the names this module
-defines (`bucket_key`, MODEL, OPTIM, STEP); this module saves, loads, reads and exports.
+A stage presents its state (its `checkpoint_state`) as tensors and DTensors under the names this
+module defines: a DTensor sharded over the ranks is written piece by piece with its offsets, and on
+load each rank reads the pieces that overlap what it holds *now*, whatever the number of ranks that
+wrote them; a plain tensor, the same on every rank, is written once. (How zeronb's flat stages and
+PyTorch's counterparts present theirs: zeronb.zero.saving, zeronb.zero.torch_impls.)
 
-PyTorch's counterparts go through torch.distributed.checkpoint.state_dict (FSDP2's parameters are
-DTensors already). ZeroRedundancyOptimizer keeps each parameter's Adam state on the one rank that
-owns the parameter; that rank saves it under the parameter's name, and on resume each rank loads
-the states of the parameters it owns then.
-
-Beside DCP's files, `zeronb.json` records the run (stage, impl, model, precision, steps taken,
-and which parameters each bucket holds), so that a resume can check that it continues the same
-run, and `export` can turn the checkpoint into one file of full tensors in one process, no ranks.
+Beside DCP's files, `zeronb.json` records what the caller says about the run (the trainer: its
+settings and steps taken), the number of ranks, and a flat stage's layout - which parameter lies
+where in each bucket - so that a resume can check that it continues the same run, and `export` can
+turn the checkpoint into one file of full tensors in one process, no ranks.
 """
 from __future__ import annotations
 
@@ -35,14 +27,14 @@ import torch.distributed.checkpoint as dcp
 
 INFO = "zeronb.json"
 # The names a checkpoint's tensors go by, which the stages write (zeronb.zero.saving, .torch_impls)
-# and `export` reads back: a flat stage's bucket tensors, its optimizer's step count; PyTorch's
-# state dicts under MODEL and OPTIM. A flat stage also records its layout, {bucket: [[parameter
-# name, shape], ...]} (None: the tensors are saved by name).
-MODEL, OPTIM, STEP = "model", "optim", "optimizer.step"
+# and `export` reads back: a flat stage's bucket tensors (PARAMS: the parameters) and its optimizer's
+# step count; PyTorch's state dicts under MODEL and OPTIM. A flat stage also records its layout,
+# {bucket: [[parameter name, shape, offset in the bucket], ...]} (None: the tensors go by name).
+MODEL, OPTIM, STEP, PARAMS = "model", "optim", "optimizer.step", "params"
 
 
 def bucket_key(bucket: str, kind: str) -> str:
-    """The name of a flat stage's tensor: `kind` ("params", "exp_avg", "master", ...) of `bucket`."""
+    """The name of a flat stage's tensor: `kind` (PARAMS, "exp_avg", "master", ...) of `bucket`."""
     return f"{bucket}.{kind}"
 
 
@@ -81,15 +73,13 @@ def load(stage, directory: str) -> dict:
 def export(directory: str, path: str | None = None) -> dict:
     """The whole model as {name: full tensor}, read from a sharded checkpoint in this one process
     (no ranks, no process group): what inference needs. With `path`, also torch.save it there."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     info = read_info(directory)
-    sizes = FileSystemReader(directory).read_metadata().state_dict_metadata
-    if info["buckets"] is None:  # PyTorch's own: the model's state dict, by name
+    sizes = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    if info["buckets"] is None:  # the model's state dict, by name
         wanted = {k: torch.empty(sizes[k].size, dtype=sizes[k].properties.dtype)
                   for k in sizes if k.startswith(MODEL + ".")}
-    else:  # zeronb's: each bucket's flat parameters, to be cut into the parameters it holds
-        keys = [bucket_key(b, "params") for b in info["buckets"]]
+    else:  # each bucket's flat parameters, to be cut into the parameters it holds
+        keys = [bucket_key(b, PARAMS) for b in info["buckets"]]
         wanted = {k: torch.empty(sizes[k].size, dtype=sizes[k].properties.dtype) for k in keys}
     with warnings.catch_warnings():  # ("no process group: loading in one process" - as meant)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -99,11 +89,9 @@ def export(directory: str, path: str | None = None) -> dict:
     else:
         full = {}
         for bucket, params in info["buckets"].items():
-            flat, offset = wanted[bucket_key(bucket, "params")], 0
-            for name, shape in params:
-                numel = int(torch.Size(shape).numel())
-                full[name] = flat[offset:offset + numel].view(shape).clone()
-                offset += numel
+            flat = wanted[bucket_key(bucket, PARAMS)]
+            for name, shape, offset in params:
+                full[name] = flat[offset:offset + torch.Size(shape).numel()].view(shape).clone()
     if path is not None:
         torch.save(full, path)
     return full

@@ -111,10 +111,13 @@ class TinyGPT(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
+MODELS = ("mlp", "gpt")  # the two models every chapter trains
+
+
 @dataclass
 class Config:
     """What a model and its data are: change a field, get another (still deterministic) setup."""
-    kind: str = "mlp"             # "mlp" or "gpt"
+    kind: str = "mlp"             # one of MODELS
     global_batch: int = 16        # rows per step, over all ranks together
     seed: int = 0
     # MLP
@@ -170,7 +173,7 @@ def make_model(cfg: Config = Config(), dtype: torch.dtype = torch.float32, devic
         elif cfg.kind == "gpt":
             model = TinyGPT(cfg.vocab, cfg.d_model, cfg.n_head, cfg.n_layer, cfg.seq_len)
         else:
-            raise ValueError(f"model kind must be 'mlp' or 'gpt', not {cfg.kind!r}")
+            raise ValueError(f"model kind must be one of {', '.join(MODELS)}, not {cfg.kind!r}")
     return model.to(device=device, dtype=dtype)
 
 

@@ -3,6 +3,7 @@ import argparse
 import os
 import sys
 
+from ..models import MODELS
 from ..precision import PRECISIONS
 from ..runtime.topology import parse_rate
 from .collectives import SIZES, collectives, print_collectives
@@ -32,7 +33,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--precision", "--dtype", default="float32", choices=list(PRECISIONS))
     p.add_argument("--grad-accum", type=int, default=4, help="micro-batches of the accumulation variants")
-    p.add_argument("--models", nargs="+", default=["mlp", "gpt"], choices=["mlp", "gpt"])
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p = sub.add_parser("nodes", help="2 nodes x 2 ranks, paced links: flat ring, hierarchical and gloo all-reduce "
                                      "at several link ratios against the alpha-beta model; the stages' bytes across nodes")
     p.add_argument("--ratios", type=float, nargs="+", default=[1, 4, 10, 16], help="intra-node rate / inter-node rate")

@@ -11,5 +11,6 @@
     exercises/     the checkers of the chapters' exercises
 
 The top layer, beside zeronb.bench: may import every layer below (train, zero, the lessons, pool,
-runtime); nothing in zeronb imports it.
+runtime); nothing in zeronb imports it (the package's root names its exercises in the list of
+modules the ranks' helper process imports ahead).
 """

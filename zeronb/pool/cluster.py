@@ -44,7 +44,6 @@ from ..runtime import backend as _backend
 from . import calls, forkserver, launch
 from .errors import call_failure, format_stack_dump, join_ranks, shorten
 from .messages import Call
-from ..runtime.topology import check_links
 from .rank_output import print_grouped
 
 DEFAULT_TIMEOUT = 120.0  # seconds; generous for teaching. ZERONB_TIMEOUT overrides it (CI sets it lower)
@@ -77,7 +76,7 @@ def _validate_world_size(world_size) -> int:
 def _check_settings(world_size, backend, nodes, threads, inter=None, intra=None) -> tuple[str, str, dict]:
     """Every check on a pool's settings, before anything starts (or stops): (backend, why, link rates)."""
     _validate_world_size(world_size)
-    links = check_links(world_size, nodes, inter, intra)
+    links = launch.check_links(world_size, nodes, inter, intra)
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be a positive int (torch threads per rank), not {threads!r}")
     chosen, why = _backend.choose_backend(world_size, backend)

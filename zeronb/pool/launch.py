@@ -18,7 +18,7 @@ from multiprocessing.connection import Listener
 import torch.distributed as dist
 
 from ..runtime.sockets import OTHER_PORTS_ENV
-from ..runtime.topology import INTER_ENV, INTRA_ENV, link_environment
+from ..runtime.topology import INTER_ENV, INTRA_ENV, Topology, link_environment, parse_rate
 from . import forkserver
 from .errors import signal_name
 from .messages import WORKER_LOOP_FRAME
@@ -116,6 +116,19 @@ def stack_dumps(ranks: list[Rank], timeout: float = 3.0) -> dict[int, str]:
             if rk.rank not in dumps and (dump := rk.read_stack()) is not None:
                 dumps[rk.rank] = dump
     return dumps
+
+
+def check_links(world_size: int, nodes: int, inter_node_bandwidth=None, intra_node_bandwidth=None) -> dict:
+    """The pool's link settings, checked before anything starts: {"inter": bytes/s or None, "intra": ...}.
+    Pacing needs Linux (the socket option); elsewhere asking for it is an error that says so."""
+    topology = Topology(world_size, nodes)
+    links = {"inter": parse_rate(inter_node_bandwidth), "intra": parse_rate(intra_node_bandwidth)}
+    if links["inter"] is not None and topology.nodes == 1:
+        raise ValueError("inter_node_bandwidth needs nodes > 1: with one node there is no link between nodes")
+    if any(v is not None for v in links.values()) and not os.path.isdir("/proc/self/fd"):
+        raise ValueError("pacing links needs Linux (SO_MAX_PACING_RATE, /proc/self/fd); on this system start "
+                         "the pool without inter_node_bandwidth / intra_node_bandwidth (the nodes stay a topology)")
+    return links
 
 
 def rank_environment(env: dict, *, world_size: int, nodes: int, store_port: int, control, backend: str,

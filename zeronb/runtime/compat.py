@@ -7,6 +7,7 @@ the notebooks and the tests call these names. This module imports nothing from z
 from __future__ import annotations
 
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 # torch 2.13 added all_gather_single / reduce_scatter_single and deprecated the *_tensor names
 # (a FutureWarning); 2.11 and 2.12 have only the old names.
@@ -97,8 +98,6 @@ def after_new_group(callback) -> None:
     through `distributed_c10d._new_process_group_helper` (torch 2.4 to 2.13; only `split_group`,
     which a mesh uses for NCCL communicators, does not). torch offers no public hook for this, so
     the helper is wrapped, once per process; a group's connections exist when it returns."""
-    import torch.distributed.distributed_c10d as c10d
-
     helper = c10d._new_process_group_helper
     if not hasattr(helper, "callbacks"):
         made = helper

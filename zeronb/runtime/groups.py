@@ -13,6 +13,7 @@ the collectives and the stages, which take their groups from here.
 from __future__ import annotations
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .backend import device
 from .topology import Topology
@@ -35,8 +36,6 @@ def device_mesh(shards: int, replicas: int = 1, group=None):
     """The DeviceMesh of the sharding ranks (DTensors, FSDP2, DCP): 1-D over all ranks or over
     `group`; with replicas 2-D, (replicas, shards), shards consecutive as sharding_groups
     lays them out (FSDP2 replicates over dimension 0). Made once per process group."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
     kind = device().type
     if group is not None:
         return per_world(("mesh", kind, group), lambda: DeviceMesh.from_group(group, kind))

@@ -83,19 +83,6 @@ class Topology:
         return cls(world, world // per_node)
 
 
-def check_links(world_size: int, nodes: int, inter_node_bandwidth=None, intra_node_bandwidth=None) -> dict:
-    """The pool's link settings, checked before anything starts: {"inter": bytes/s or None, "intra": ...}.
-    Pacing needs Linux (the socket option); elsewhere asking for it is an error that says so."""
-    topology = Topology(world_size, nodes)
-    links = {"inter": parse_rate(inter_node_bandwidth), "intra": parse_rate(intra_node_bandwidth)}
-    if links["inter"] is not None and topology.nodes == 1:
-        raise ValueError("inter_node_bandwidth needs nodes > 1: with one node there is no link between nodes")
-    if any(v is not None for v in links.values()) and not os.path.isdir("/proc/self/fd"):
-        raise ValueError("pacing links needs Linux (SO_MAX_PACING_RATE, /proc/self/fd); on this system start "
-                         "the pool without inter_node_bandwidth / intra_node_bandwidth (the nodes stay a topology)")
-    return links
-
-
 def link_environment(links: dict) -> dict:
     """The environment variables a rank reads its link rates from."""
     env = {}

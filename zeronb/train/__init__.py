@@ -10,7 +10,8 @@ zeronb.train`), with the one-process reference every stage must match.
     cli.py        the command line
 
 The top layer but the book's: may import zeronb.zero, the lessons (zeronb.models, .memory,
-.ledger, ...), zeronb.pool and zeronb.runtime; nothing imports it but the book and the benchmarks.
+.ledger, ...), zeronb.pool and zeronb.runtime; nothing imports it but the book and the benchmarks
+(and the package's root, which names it for the ranks' helper process to import ahead).
 """
 from .parity import grad_diff, max_diff
 from .reference import train_single

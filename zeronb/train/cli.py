@@ -10,9 +10,14 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..models import MODELS
 from ..precision import OPTIMIZERS, PRECISIONS
-from .runner import __doc__ as RUN_DOC, run
-from .runs import RunConfig
+from ..zero import STAGES
+from ..zero.config import REDUCE_SCATTERS
+from ..zero.zeropp import QUANTIZE_WEIGHTS
+from .runner import __doc__ as RUN_DOC
+from .runner import run
+from .runs import IMPLS, SHARD_GROUPS, RunConfig
 
 
 def parse_args(argv=None) -> RunConfig:
@@ -25,9 +30,9 @@ def _parse(argv):
     d = RunConfig()
     p = argparse.ArgumentParser(prog="python -m zeronb.train", description=RUN_DOC,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=d.stage)
+    p.add_argument("--stage", type=int, choices=list(STAGES), default=d.stage)
     p.add_argument("--nproc", type=int, default=2, help="ranks to start (ignored under torchrun)")
-    p.add_argument("--model", choices=["mlp", "gpt"], default=d.model)
+    p.add_argument("--model", choices=MODELS, default=d.model)
     p.add_argument("--precision", "--dtype", choices=list(PRECISIONS), default=d.precision,
                    help="float32, float64, or bf16-mixed (bf16 compute, fp32 master weights); --dtype: the same")
     p.add_argument("--optimizer", choices=list(OPTIMIZERS), default=d.optimizer,
@@ -36,7 +41,7 @@ def _parse(argv):
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--global-batch", type=int, default=d.global_batch)
-    p.add_argument("--impl", choices=["zeronb", "torch"], default=d.impl)
+    p.add_argument("--impl", choices=IMPLS, default=d.impl)
     p.add_argument("--prefetch", action="store_true", help="stage 3: prefetch the next unit's parameters")
     p.add_argument("--grad-accum", type=int, default=d.grad_accum, metavar="K",
                    help="split each rank's share of --global-batch into K micro-batches; the result is still "
@@ -49,14 +54,14 @@ def _parse(argv):
                         "process holding the whole model")
     p.add_argument("--reduce-dtype", choices=["fp32", "bf16"], default=None,
                    help="the dtype gradients are reduced in (default: their own); bf16 halves the bytes")
-    p.add_argument("--reduce-scatter", choices=["torch", "ring"], default=d.reduce_scatter,
+    p.add_argument("--reduce-scatter", choices=REDUCE_SCATTERS, default=d.reduce_scatter,
                    help="the stages' reduce-scatters: the backend's, or zeronb's ring (on gloo the wire then "
                         "shows a reduce-scatter's bytes, not the all-reduce gloo runs instead)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each unit's activations in backward instead of keeping them")
     p.add_argument("--shard-size", type=int, default=None, metavar="G",
                    help="shard over groups of G consecutive ranks and replicate across the groups (HSDP)")
-    p.add_argument("--shard-group", choices=["world", "node"], default=d.shard_group,
+    p.add_argument("--shard-group", choices=SHARD_GROUPS, default=d.shard_group,
                    help="node: shard within each node and replicate across the nodes (HSDP; with --grad-accum, "
                         "MiCS's two hops: the replicas' all-reduce once per step)")
     p.add_argument("--nodes", type=int, default=None, metavar="K",
@@ -67,7 +72,7 @@ def _parse(argv):
     p.add_argument("--hpz", action="store_true",
                    help="stage 3: ZeRO++'s hpZ, a copy of the parameters sharded within the node for the backward "
                         "all-gathers (--impl torch: FSDP2 resharding to the node after forward)")
-    p.add_argument("--quantize-weights", choices=["int8"], default=None,
+    p.add_argument("--quantize-weights", choices=[q for q in QUANTIZE_WEIGHTS if q], default=None,
                    help="stage 3 (zeronb): the forward all-gathers in int8, a scale per block (ZeRO++'s qwZ; lossy)")
     p.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="save a sharded checkpoint (torch.distributed.checkpoint) here at the end")

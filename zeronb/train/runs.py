@@ -14,12 +14,16 @@ from typing import Optional
 import torch
 
 from .. import checkpoint
-from ..models import WRAPS, Config
+from ..models import MODELS, WRAPS, Config
 from ..precision import OPTIMIZERS, PRECISIONS, precision
 from ..runtime.topology import parse_rate
+from ..zero import STAGES
 from ..zero.config import REDUCE_SCATTERS, StageConfig
+from ..zero.zeropp import QUANTIZE_WEIGHTS
 
 REDUCE_DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16}
+IMPLS = ("zeronb", "torch")  # zeronb's stages, or PyTorch's counterparts
+SHARD_GROUPS = ("world", "node")  # shard over every rank, or within each node (replicas across: HSDP)
 STRUCTURE = ("stage", "impl", "model", "precision", "optimizer")  # what a resume must share with the saved run
 
 
@@ -69,17 +73,17 @@ class RunConfig:
             if value not in options:
                 bad.append(f"{name} must be one of {', '.join(map(str, options))}, not {value!r}")
 
-        choice("stage", self.stage, (0, 1, 2, 3))
-        choice("model", self.model, ("mlp", "gpt"))
+        choice("stage", self.stage, tuple(STAGES))
+        choice("model", self.model, MODELS)
         choice("precision", self.precision, tuple(PRECISIONS))
         choice("optimizer", self.optimizer, OPTIMIZERS)
-        choice("impl", self.impl, ("zeronb", "torch"))
+        choice("impl", self.impl, IMPLS)
         choice("wrap", self.wrap, WRAPS)
         choice("sync_each_micro_batch", self.sync_each_micro_batch, (True, False))
         choice("reduce_dtype", self.reduce_dtype, tuple(REDUCE_DTYPES))
         choice("reduce_scatter", self.reduce_scatter, REDUCE_SCATTERS)
-        choice("shard_group", self.shard_group, ("world", "node"))
-        choice("quantize_weights", self.quantize_weights, (None, "int8"))
+        choice("shard_group", self.shard_group, SHARD_GROUPS)
+        choice("quantize_weights", self.quantize_weights, QUANTIZE_WEIGHTS)
         bad += self._node_problems()
         if self.nproc is not None and (not isinstance(self.nproc, int) or self.nproc < 1):
             bad.append(f"nproc must be a positive number of ranks, not {self.nproc!r}")

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import ring_reduce_scatter
-from ..runtime.compat import reduce_scatter_single
+from ..runtime.compat import all_gather_single, reduce_scatter_single
 from ..shards import padded_numel
 
 
@@ -93,14 +93,30 @@ class Bucket:
             p.grad = None
         return flat
 
+    def all_gather(self, shard: torch.Tensor, group=None, async_op: bool = False):
+        """The full parameters from every rank's `shard` over `group`, into `data` (the parameters'
+        views see them). Written through .data: autograd must not see it as an in-place change of a
+        tensor it saved (ZeRO-3 gathers between forward and backward). With `async_op`, its work."""
+        return all_gather_single(self.data.data, shard, group=group, async_op=async_op)
+
+    def fill_chunk(self, rank: int, values: torch.Tensor) -> None:
+        """Write rank `rank`'s chunk of the parameters (through .data, as `all_gather`)."""
+        with torch.no_grad():
+            self.chunk(rank, self.data.data).copy_(values)
+
     def new_grad_shard(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A zero `grad_shard` (in `dtype`, default the parameters'): where reduce-scatters add."""
         self.grad_shard = torch.zeros(self.chunk_numel, dtype=dtype or self.data.dtype, device=self.data.device)
         return self.grad_shard
 
+    def free_grad_shard(self) -> None:
+        """Drop `grad_shard` (ZeRO-1 holds none between steps)."""
+        self.grad_shard = None
+
     def reduce_scatter(self, *, dtype: torch.dtype | None = None, group=None, ring: bool = False) -> None:
-        """Add this rank's chunk of the sum over `group` of `comm` (the gradients, flat and padded)
-        into `grad_shard` (made on first use), then drop `comm`: only the shard remains."""
+        """Add this rank's chunk of the sum over `group` of `comm` (the gradients, flat and padded,
+        that the stage put in flight) into `grad_shard` (made on first use), then drop `comm`: only
+        the shard remains."""
         if self.grad_shard is None:
             self.new_grad_shard()
         reduce_scatter_into(self.grad_shard, self.comm, dtype=dtype, group=group, ring=ring)

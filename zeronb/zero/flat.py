@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..runtime.compat import all_gather_single
 from .saving import FlatSaving
 from .stage import Stage
 
@@ -41,11 +40,11 @@ class FlatStage(FlatSaving, Stage):
         for b in self.buckets:
             b.reset()  # no gradient has landed yet
 
-    def reduce_scatter_bucket(self, b) -> None:
-        """The bucket's gradients move into one flat tensor, which is reduce-scattered into this
-        rank's shard, `b.grad_shard` (added to what is there); then that tensor goes too: only the
-        shard remains. In reduce_dtype if one is set; through zeronb's ring if config says so."""
-        b.comm = self.divided_(b.take_grads())
+    def reduce_scatter_bucket(self, b, grads=None) -> None:
+        """The bucket's gradients move into one flat tensor (or `grads`, a flat buffer of them), which
+        is reduce-scattered into this rank's shard, `b.grad_shard` (added to what is there); then
+        that tensor goes too. In reduce_dtype if one is set; through zeronb's ring if config says so."""
+        b.comm = self.divided_(b.take_grads() if grads is None else grads)
         self.tell("reduce-scatter", b)
         b.reduce_scatter(dtype=self.config.reduce_dtype, group=self.shard_group, ring=self.config.reduce_scatter == "ring")
         self.tell("reduce-scatter done", b)
@@ -53,7 +52,7 @@ class FlatStage(FlatSaving, Stage):
     def gather_parameters(self) -> None:
         """Every bucket's full parameters again, from every rank's (updated or loaded) shard."""
         for b in self.buckets:
-            all_gather_single(b.data, b.chunk(self.shard_rank).clone(), group=self.shard_group)
+            b.all_gather(b.chunk(self.shard_rank).clone(), group=self.shard_group)
             self.tell("gathered", b)
 
     def divided_(self, grads: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ and the gradient watcher behind the parity checks (zeronb.zero.observe.Gradients
 through these, so that the stage's own modules keep only the step."""
 from __future__ import annotations
 
-from ..checkpoint import STEP, bucket_key
+from ..checkpoint import PARAMS, STEP, bucket_key
 from ..runtime.compat import dtensor
 from ..runtime.groups import device_mesh
 from ..shards import shard_numel
@@ -12,7 +12,13 @@ from ..shards import shard_numel
 
 class FlatSaving:
     """Mixed into FlatStage: its buckets (`self.buckets`) and the optimizer over their shards
-    (`self.optimizer`) as a checkpoint and as pieces of the model's parameters."""
+    (`self.optimizer`) as a checkpoint and as pieces of the model's parameters.
+
+    Rank r holds chunk r of each bucket (zeronb.shards: torch.chunk's rule); without its padding,
+    that chunk is exactly what a DTensor with placement Shard(0) over a 1-D mesh of the ranks
+    holds. So a checkpoint presents each bucket's parameters, Adam's two moments (plain SGD has
+    none) and, in bf16-mixed, the fp32 master copy as 1-D DTensors of the bucket's real length;
+    what every rank holds whole (DDP's buckets, Adam's step count) as plain tensors."""
 
     def shard_pieces(self, tensors):
         out = {}
@@ -33,7 +39,7 @@ class FlatSaving:
         state = {}
         for i, (bucket, shard) in enumerate(zip(self.buckets, opt.shards)):
             per_element = {k: v for k, v in opt.state_of(i).items() if k != "step"}  # Adam's moments; SGD: none
-            kinds = {"params": shard, **per_element, **({"master": opt.master[i]} if opt.mixed else {})}
+            kinds = {PARAMS: shard, **per_element, **({"master": opt.master[i]} if opt.mixed else {})}
             for kind, t in kinds.items():
                 if self.sharded:  # this rank's chunk, less its padding: torch.chunk's piece of the bucket
                     local = t[:shard_numel(bucket.numel, self.num_shards, self.shard_rank)]
@@ -56,4 +62,4 @@ class FlatSaving:
         """After a checkpoint was loaded into the shards: make the rest of the state agree with them."""
 
     def checkpoint_layout(self):
-        return {b.name: [[self.names[p], list(p.shape)] for p in b.params] for b in self.buckets}
+        return {b.name: [[self.names[p], list(p.shape), o] for p, o in zip(b.params, b.offsets)] for b in self.buckets}

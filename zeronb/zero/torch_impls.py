@@ -7,6 +7,11 @@ that `python -m zeronb.train --impl torch` and the chapters can run them side by
     stage 3: TorchFSDP   FSDP2 fully_shard(reshard_after_forward=True)
     with a replica group (HSDP): FSDP2 on a 2-D mesh, replicas on dimension 0, shards on dimension 1
 
+Checkpoints go through torch.distributed.checkpoint.state_dict (FSDP2's parameters are DTensors
+already). ZeroRedundancyOptimizer keeps each parameter's Adam state on the one rank that owns the
+parameter; that rank saves it under the parameter's name, and on resume each rank loads the states
+of the parameters it owns then.
+
 One class per counterpart, each applying PyTorch's wrapper in its constructor (as torchtitan applies
 each parallelism in its own function); `torch_stage(model, stage, config)` picks one by stage.
 

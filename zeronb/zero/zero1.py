@@ -38,19 +38,15 @@ class ZeRO1(FlatStage):
             self._reduce_scatter()
 
     def _reduce_scatter(self):
-        """2. Rank r gets the sum of everyone's chunk r (added to what earlier micro-batches sent, in
-        reduce_dtype if one is set: bf16 halves the bytes, and rounds the sums)."""
-        self.flat.comm = self.divided_(self.flat.grad)  # the gradient buffer itself goes out
-        self.tell("reduce-scatter", self.flat)
-        self.flat.reduce_scatter(dtype=self.config.reduce_dtype, group=self.shard_group,
-                                 ring=self.config.reduce_scatter == "ring")  # into flat.grad_shard, made on first use
+        """2. Rank r gets the sum of everyone's chunk r of the gradient buffer (added to what earlier
+        micro-batches sent, in reduce_dtype if one is set: bf16 halves the bytes, and rounds the sums)."""
+        self.reduce_scatter_bucket(self.flat, self.flat.grad)  # into self.flat.grad_shard, made on first use
         self.flat.grad.zero_()  # sent: the next micro-batch's gradients start from zero
-        self.tell("reduce-scatter done", self.flat)
 
     def step(self):
         # 3. the optimizer on the owned shard, with its average gradient
         self.update(self.sum_over_replicas_([self.flat.grad_shard]))
-        self.flat.grad_shard = None
+        self.flat.free_grad_shard()
         # 4. all-gather the updated shards into the full parameters
         self.gather_parameters()
 

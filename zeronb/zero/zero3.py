@@ -32,7 +32,6 @@ import warnings
 
 import torch
 
-from ..runtime.compat import all_gather_single
 from .buckets import Bucket
 from .optim import ShardOptimizer
 from .flat import FlatStage
@@ -70,9 +69,9 @@ class Unit(Bucket):
         self.gathered = False
 
     def gather(self, group) -> bool:
-        """Issue the all-gather of the full parameters into the unit's buffer, unless they are here or
-        on their way (False); `wait` waits. Written through .data: autograd must not see an in-place change."""
-        return self.gather_with(lambda: all_gather_single(self.data.data, self.shard, group=group, async_op=True))
+        """Issue the all-gather of the full parameters into the unit's buffer (Bucket.all_gather), unless
+        they are here or on their way (False); `wait` waits for it."""
+        return self.gather_with(lambda: self.all_gather(self.shard, group, async_op=True))
 
     def gather_with(self, start, finish=None) -> bool:
         """Gather the full parameters some way (ZeRO++ has two more): give them their storage back,

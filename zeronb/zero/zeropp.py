@@ -30,6 +30,7 @@ from ..runtime.groups import node_groups
 from ..runtime.topology import Topology
 from .zero3 import Unit, ZeRO3
 
+QUANTIZE_WEIGHTS = (None, "int8")  # qwZ: the forward all-gathers unquantized, or in int8
 BLOCK = 256  # elements per quantization scale (ZeRO++ quantizes block by block, a scale each)
 
 
@@ -55,7 +56,7 @@ class ZeROPlusPlus(ZeRO3):
     def __init__(self, model, config=None, observers=(), hpz: bool = False, quantize_weights: str | None = None,
                  **zero3):
         super().__init__(model, config, observers, **zero3)
-        if quantize_weights not in (None, "int8"):
+        if quantize_weights not in QUANTIZE_WEIGHTS:
             raise ValueError(f"quantize_weights must be None or 'int8', not {quantize_weights!r}")
         self.hpz, self.quantize_weights = hpz, quantize_weights
         if hpz:
@@ -85,7 +86,7 @@ class ZeROPlusPlus(ZeRO3):
     def _issue_gather(self, u: Unit):
         if self.in_backward and self.hpz and u.index in self.secondary:  # within the node: the secondary shards
             secondary = self.secondary[u.index]
-            issued = u.gather_with(lambda: all_gather_single(u.data.data, secondary, group=self.node_group, async_op=True))
+            issued = u.gather_with(lambda: u.all_gather(secondary, self.node_group, async_op=True))
         elif not self.in_backward and self.quantize_weights:
             issued = u.gather_with(*self._quantized_gather(u))
         else:
@@ -105,11 +106,9 @@ class ZeROPlusPlus(ZeRO3):
             return all_gather_single(sent["full"], packed, group=self.shard_group, async_op=True)
 
         def finish():
-            chunk, n = u.chunk_numel, sent["n"]
-            with torch.no_grad():
-                for r, row in enumerate(sent["full"].view(self.num_shards, -1)):
-                    values, scale = row[:n], row[n:].view(torch.float32)
-                    u.data.data[r * chunk:(r + 1) * chunk] = dequantize_int8(values, scale, chunk).to(u.data.dtype)
+            n = sent["n"]
+            for r, row in enumerate(sent["full"].view(self.num_shards, -1)):
+                u.fill_chunk(r, dequantize_int8(row[:n], row[n:].view(torch.float32), u.chunk_numel))
         return start, finish
 
     def step(self):

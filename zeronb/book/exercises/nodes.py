@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...ledger import WireMeter
-from ...pool.cluster import _default, start
+from ...pool.cluster import current, start
 from ...runtime.topology import Topology
 from .checking import Verdict, _compare, _inputs, _run
 
@@ -15,9 +15,12 @@ SLACK = 1.05, 4096  # gloo's message headers and TCP's small messages: 5 % and 4
 
 def _node_pool(world_size: int, nodes: int):
     """The notebook's pool if it already has this shape (its link rates kept), else a new one."""
-    if (_default is not None and not _default.closed and _default.world_size == world_size
-            and _default.nodes == nodes):
-        return _default
+    try:
+        pool = current()
+    except RuntimeError:  # (no pool running)
+        pool = None
+    if pool is not None and pool.world_size == world_size and pool.nodes == nodes:
+        return pool
     return start(world_size, nodes=nodes, verbose=False)
 
 
