@@ -83,24 +83,27 @@ def at_scale(nbytes: float, nodes: int, per_node: int, intra: Link, inter: Link)
     }
 
 
-def bytes_across(variant: str, unit_bytes: list, nodes: int, per_node: int, impl: str = "zeronb") -> float:
+def bytes_across(variant: str, unit_bytes: list, nodes: int, per_node: int, *, reduce_scatter_passes: int = 1,
+                 last_unit_kept: bool = True) -> float:
     """Bytes all ranks together send across nodes in one training step, every collective a ring over
     node-major ranks. A pass (all-gather or reduce-scatter) of S bytes over all N ranks sends
     (N−1)/N·S from each rank, and the k ranks at the ring's node boundaries send theirs across:
     k(N−1)/N·S. `unit_bytes`: each unit's parameters in bytes, padded to a multiple of N, in forward
-    order (DDP: one unit, the gradients). impl="torch": FSDP2 on gloo, which gathers every unit twice
-    and runs a reduce-scatter as a whole all-reduce (two passes).
+    order (DDP: one unit, the gradients). `reduce_scatter_passes`: 2 where the backend runs a
+    reduce-scatter as a whole all-reduce (PyTorch's gloo process group does). `last_unit_kept`: the
+    last unit stays gathered from its forward to its backward, one all-gather fewer (False: every
+    unit is gathered twice).
 
         DDP      an all-reduce: two passes of M
-        ZeRO-3   all-gathers before forward (M) and backward (M, the last unit kept), a reduce-scatter (M)
+        ZeRO-3   all-gathers before forward (M) and backward (M, less the last unit if kept), a reduce-scatter (M)
         hpZ      the backward's all-gathers within the node: only forward's and the reduce-scatter cross
         HSDP     within the node only, but the replicas' all-reduce of each rank's shard M/g over the k
                  nodes: 2(k−1)/k·M/g from every rank (MiCS: the same, once per step)"""
     N, k, g = nodes * per_node, nodes, per_node
     M, last = sum(unit_bytes), unit_bytes[-1]
     per_pass = k * (N - 1) / N
-    rs = 2 if impl == "torch" else 1                    # passes of a reduce-scatter
-    backward = M if impl == "torch" else M - last       # the backward's all-gathers over N ranks
+    rs = reduce_scatter_passes
+    backward = M - last if last_unit_kept else M        # the backward's all-gathers over N ranks
     if variant == "DDP":
         return 2 * per_pass * M
     if variant == "ZeRO-3":

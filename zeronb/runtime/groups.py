@@ -47,20 +47,15 @@ def sharding_groups(shard_size: int) -> tuple:
     """(shard group, replica group) of this rank for sharding over `shard_size` consecutive ranks
     and replicating across the groups (HSDP): with 4 ranks and shard_size 2, ranks {0, 1} and
     {2, 3} each hold one copy of the shards, and ranks {0, 2} and {1, 3} average their gradients.
-    Every rank must call this (creating a group is collective); groups are made once per size."""
+    The two dimensions of `device_mesh(shard_size, replicas)`, so that zeronb's stages and FSDP2
+    share one layout and one set of groups. Every rank must call this (making a group is collective)."""
     n = dist.get_world_size()
     if shard_size < 1 or n % shard_size:
         raise ValueError(f"shard_size must divide the {n} ranks, not {shard_size}")
     if shard_size == n:
         return None, None
-    def make():
-        shards, _ = dist.new_subgroups_by_enumeration(
-            [list(range(s, s + shard_size)) for s in range(0, n, shard_size)])
-        replicas, _ = dist.new_subgroups_by_enumeration(
-            [list(range(i, n, shard_size)) for i in range(shard_size)])
-        return shards, replicas
-
-    return per_world(("sharding", shard_size), make)
+    mesh = device_mesh(shard_size, n // shard_size)  # (replicas, shards): row r holds ranks r*g .. r*g + g-1
+    return mesh.get_group("shard"), mesh.get_group("replicate")
 
 
 def node_groups() -> tuple:

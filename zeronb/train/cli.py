@@ -17,7 +17,7 @@ from ..zero.config import REDUCE_SCATTERS
 from ..zero.zeropp import QUANTIZE_WEIGHTS
 from .runner import __doc__ as RUN_DOC
 from .runner import run
-from .runs import IMPLS, SHARD_GROUPS, RunConfig
+from .runs import IMPLS, REDUCE_DTYPES, SHARD_GROUPS, RunConfig
 
 
 def parse_args(argv=None) -> RunConfig:
@@ -52,7 +52,7 @@ def _parse(argv):
     p.add_argument("--clip", dest="clip_norm", type=float, default=None, metavar="NORM",
                    help="clip by the global gradient norm, as torch.nn.utils.clip_grad_norm_ would on one "
                         "process holding the whole model")
-    p.add_argument("--reduce-dtype", choices=["fp32", "bf16"], default=None,
+    p.add_argument("--reduce-dtype", choices=[k for k in REDUCE_DTYPES if k], default=None,
                    help="the dtype gradients are reduced in (default: their own); bf16 halves the bytes")
     p.add_argument("--reduce-scatter", choices=REDUCE_SCATTERS, default=d.reduce_scatter,
                    help="the stages' reduce-scatters: the backend's, or zeronb's ring (on gloo the wire then "

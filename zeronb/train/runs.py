@@ -89,8 +89,6 @@ class RunConfig:
             bad.append(f"nproc must be a positive number of ranks, not {self.nproc!r}")
         if self.steps < 1:
             bad.append("steps must be at least 1")
-        if self.clip_norm is not None and not self.clip_norm > 0:
-            bad.append(f"clip_norm must be a positive norm, not {self.clip_norm}")
         if self.grad_accum < 1 or self.global_batch % self.grad_accum:
             bad.append(f"grad_accum must be a positive divisor of global_batch ({self.global_batch}), not {self.grad_accum}")
         if self.impl == "torch" and self.precision == "bf16-mixed":
@@ -106,6 +104,11 @@ class RunConfig:
         if (self.shard_size is not None or self.shard_group == "node") and (self.checkpoint or self.resume):
             bad.append("checkpoints of runs with replicas (shard_size, shard_group) are not supported; save from a "
                        "run sharded over all of its ranks")
+        if not bad:  # the stage's own rules (clip_norm, ...), stated once, in StageConfig
+            try:
+                self.stage_config()
+            except ValueError as e:
+                bad.append(str(e))
         if self.resume is not None and not bad:
             bad += self._resume_problems()
         return bad

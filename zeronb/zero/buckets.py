@@ -115,10 +115,8 @@ class Bucket:
 
     def reduce_scatter(self, *, dtype: torch.dtype | None = None, group=None, ring: bool = False) -> None:
         """Add this rank's chunk of the sum over `group` of `comm` (the gradients, flat and padded,
-        that the stage put in flight) into `grad_shard` (made on first use), then drop `comm`: only
+        that the stage put in flight) into `grad_shard` (`new_grad_shard`), then drop `comm`: only
         the shard remains."""
-        if self.grad_shard is None:
-            self.new_grad_shard()
         reduce_scatter_into(self.grad_shard, self.comm, dtype=dtype, group=group, ring=ring)
         self.comm = None
 

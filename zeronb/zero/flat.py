@@ -5,7 +5,6 @@ and loads is zeronb.zero.saving's."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from .saving import FlatSaving
 from .stage import Stage
@@ -68,13 +67,11 @@ class FlatStage(FlatSaving, Stage):
         """In place: the (already divided) gradients summed over the replicas, the ranks that hold
         the same shards (HSDP; nothing without replicas). Only shards travel; in reduce_dtype if
         one is set."""
-        if self.replica_group is not None:
-            dtype = self.config.reduce_dtype
-            for g in grads:
-                send = g if dtype in (None, g.dtype) else g.to(dtype)
-                dist.all_reduce(send, group=self.replica_group)
-                if send is not g:
-                    g.copy_(send)
+        if self.replica_group is not None:  # (grads: one per bucket, in order)
+            for b, g in zip(self.buckets, grads):
+                b.start_all_reduce(g, dtype=self.config.reduce_dtype, group=self.replica_group)
+            for b in self.buckets:
+                b.finish()
         return grads
 
     def update(self, grads: list) -> None:

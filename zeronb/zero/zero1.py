@@ -40,7 +40,9 @@ class ZeRO1(FlatStage):
     def _reduce_scatter(self):
         """2. Rank r gets the sum of everyone's chunk r of the gradient buffer (added to what earlier
         micro-batches sent, in reduce_dtype if one is set: bf16 halves the bytes, and rounds the sums)."""
-        self.reduce_scatter_bucket(self.flat, self.flat.grad)  # into self.flat.grad_shard, made on first use
+        if self.flat.grad_shard is None:  # the shard's summed gradient, held during a step only
+            self.flat.new_grad_shard()
+        self.reduce_scatter_bucket(self.flat, self.flat.grad)
         self.flat.grad.zero_()  # sent: the next micro-batch's gradients start from zero
 
     def step(self):

@@ -59,7 +59,7 @@ class Unit(Bucket):
         super().__init__(list(module.parameters()), shards, f"unit{index}")
         self.index, self.module = index, module
         self.shard = self.chunk(rank).clone()  # the only copy of the parameters kept
-        self.grad_shard = torch.zeros_like(self.shard)
+        self.new_grad_shard()
         self.nbytes = self.data.untyped_storage().nbytes()
         self.gathered, self._finish = True, None
 
