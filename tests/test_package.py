@@ -1,4 +1,5 @@
-"""The shape of the package a learner opens: its folders are its layers, and imports go one way.
+"""The shape of the package a learner opens: its folders are its layers (but the lessons: the
+top-level modules and collectives/), and imports go one way.
 
 Layers, and what each may import (each folder's __init__ says the same):
 

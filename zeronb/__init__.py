@@ -25,8 +25,10 @@ from .pool import forkserver  # noqa: E402  (imports no torch)
 
 # What the ranks run, imported once by the helper process the ranks are forked from. The pool names
 # only its own modules; the package's root, which stands above every layer, names the rest.
-forkserver.preload("zeronb.runtime.backend", "zeronb.shards", "zeronb.collectives", "zeronb.ledger", "zeronb.memory",
-                   "zeronb.models", "zeronb.zero", "zeronb.zero.observe", "zeronb.train", "zeronb.book.exercises")
+# (torch._dynamo: what the ledger's first TorchDispatchMode would import in each rank, seconds of CPU.)
+forkserver.preload("torch._dynamo", "zeronb.runtime.backend", "zeronb.shards", "zeronb.collectives", "zeronb.ledger",
+                   "zeronb.memory", "zeronb.models", "zeronb.zero", "zeronb.zero.observe", "zeronb.train",
+                   "zeronb.book.exercises")
 if _in_ipython():  # before importing torch here, so that both imports run at once
     forkserver.prestart()
 

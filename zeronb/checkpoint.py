@@ -38,6 +38,11 @@ def bucket_key(bucket: str, kind: str) -> str:
     return f"{bucket}.{kind}"
 
 
+def optimizer_key(parameter: str, kind: str) -> str:
+    """The name of one parameter's optimizer state `kind` ("exp_avg", ...), saved by the rank that owns it."""
+    return f"{OPTIM}.{parameter}.{kind}"
+
+
 # --- save, load, read, export ---------------------------------------------------------------------------
 
 def save(stage, directory: str, info: dict) -> None:

@@ -36,10 +36,10 @@ import threading
 
 START_TIMEOUT = 120.0  # seconds for the helper to import torch (a cold disk, a busy machine)
 
-# Imported by the helper before any fork, so that no rank pays for them (torch._dynamo: what the
-# ledger's first TorchDispatchMode imports, seconds of CPU). The pool names its own modules only;
-# `preload` adds the layers above it (zeronb/__init__.py), passed to the helper in its environment.
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "cloudpickle", "numpy", "zeronb.pool._worker"]
+# Imported by the helper before any fork, so that no rank pays for them. The pool names what it
+# needs itself; `preload` adds what the ranks will run (zeronb/__init__.py names it), passed to the
+# helper in its environment.
+PRELOAD = ["torch", "torch.distributed", "cloudpickle", "numpy", "zeronb.pool._worker"]
 _REQUIRED, PRELOAD_ENV = ("torch", "torch.distributed", "cloudpickle", "zeronb.pool._worker"), "ZERONB_PRELOAD"
 
 

@@ -9,7 +9,7 @@ zeronb.train`), with the one-process reference every stage must match.
     parity.py     how far two runs' parameters and gradients are apart
     cli.py        the command line
 
-The top layer but the book's: may import zeronb.zero, the lessons (zeronb.models, .memory,
+Below the book and the benchmarks: may import zeronb.zero, the lessons (zeronb.models, .memory,
 .ledger, ...), zeronb.pool and zeronb.runtime; nothing imports it but the book and the benchmarks
 (and the package's root, which names it for the ranks' helper process to import ahead).
 """

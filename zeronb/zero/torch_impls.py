@@ -35,7 +35,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import memory
-from ..checkpoint import MODEL, OPTIM
+from ..checkpoint import MODEL, OPTIM, optimizer_key
 from ..precision import optimizer_class
 from ..runtime.backend import device
 from ..runtime.compat import dtensor, fsdp2_unsharded_grads, fully_shard, mixed_precision_policy
@@ -43,6 +43,9 @@ from ..runtime.groups import device_mesh
 from ..runtime.topology import Topology
 from .optim import init_state
 from .stage import Stage
+
+
+HPZ_NEEDS = "hpz is stage 3's, and needs a pool on several nodes"
 
 
 def _allreduce_hook(state, bucket):
@@ -154,7 +157,7 @@ class TorchZeRO1(TorchDDP):
         local = self.optimizer.optim
         init_state(local)
         names = {p: n for n, p in self.model.named_parameters()}
-        owned = {f"{OPTIM}.{names[p]}.{k}": v for group in local.param_groups for p in group["params"]
+        owned = {optimizer_key(names[p], k): v for group in local.param_groups for p in group["params"]
                  for k, v in local.state[p].items()}
         return {MODEL: get_model_state_dict(self.model), **owned}
 
@@ -177,10 +180,14 @@ class TorchFSDP(TorchStage):
             raise ValueError("FSDP2 here shards over all ranks, or over groups of consecutive ranks with "
                              "replicas (zeronb.runtime.groups.sharding_groups)")
         mesh = device_mesh(self.num_shards, self.data_parallel // self.num_shards)
+        if self.replica_group is not None and (mesh.get_group("shard"), mesh.get_group("replicate")) != \
+                (self.shard_group, self.replica_group):
+            raise ValueError("FSDP2 shards and replicates over the device mesh's groups: take them from "
+                             "zeronb.runtime.groups.sharding_groups")
         reshard = stage == 3
         if hpz:
             if stage != 3 or Topology.from_env().nodes == 1:
-                raise ValueError("hpz is stage 3's, and needs a pool on several nodes")
+                raise ValueError(HPZ_NEEDS)
             reshard = Topology.from_env().per_node  # the node's ranks: backward gathers within it
         self.wrapped = self.fully_shard(model, mesh, reshard, reshard_last_unit)
         self.optimizer = optimizer_class(self.config.optimizer)(model.parameters(), lr=self.config.lr, foreach=False)
@@ -230,6 +237,6 @@ def torch_stage(model, stage: int, config=None, observers=(), **fsdp) -> TorchSt
     arguments (reshard_last_unit, hpz) for stages 2 and 3."""
     if stage in (0, 1):
         if fsdp.get("hpz"):
-            raise ValueError("hpz is stage 3's, and needs a pool on several nodes")
+            raise ValueError(HPZ_NEEDS)
         return (TorchDDP if stage == 0 else TorchZeRO1)(model, config, observers)
     return TorchFSDP(model, stage, config, observers, **fsdp)
