@@ -49,6 +49,9 @@ def test_bad_run_settings_say_what_to_do():
         RunConfig(stage=3, impl="torch", quantize_weights="int8")
     with pytest.raises(ValueError, match="give one"):
         RunConfig(shard_group="node", shard_size=2)
+    for replicas in (dict(shard_size=2), dict(shard_group="node")):  # hpZ's second copy with HSDP's replicas
+        with pytest.raises(ValueError, match="hpz is ZeRO-3 over every rank"):
+            RunConfig(stage=3, hpz=True, nproc=8, nodes=2, **replicas)
     with pytest.raises(ValueError, match="need a pool on several nodes"):
         run_many([RunConfig(stage=3, hpz=True, steps=1)], None)
 

@@ -38,6 +38,11 @@ def bucket_key(bucket: str, kind: str) -> str:
     return f"{bucket}.{kind}"
 
 
+def layout_entry(parameter: str, shape, offset: int) -> list:
+    """One parameter in a flat stage's layout: its name, shape and offset in its bucket's flat tensor."""
+    return [parameter, list(shape), offset]
+
+
 def optimizer_key(parameter: str, kind: str) -> str:
     """The name of one parameter's optimizer state `kind` ("exp_avg", ...), saved by the rank that owns it."""
     return f"{OPTIM}.{parameter}.{kind}"

@@ -242,19 +242,19 @@ class RingTracer:
         self.op, self.me, self.nxt, self.prv = op, me, nxt, prv
         self.started, self.steps_in_phase = {}, {}
 
-    def sending(self, i: int, step) -> None:
-        """Step i's first segment is about to go out."""
+    def sending(self, i: int, device) -> None:
+        """Step i's first segment is about to go out (from a tensor on `device`)."""
         if i not in self.started:
-            self.started[i] = now(step.send.device)
+            self.started[i] = now(device)
 
-    def done(self, i: int, step) -> None:
-        """Step i's last segment has arrived (and been added)."""
-        in_phase = self.steps_in_phase.get(step.phase, 0)  # steps count from 0 in each phase
-        self.steps_in_phase[step.phase] = in_phase + 1
-        common = dict(op=self.op, phase=step.phase, step=in_phase, bytes=step.recv.numel() * step.recv.element_size(),
-                      start=self.started[i], end=now(step.recv.device))
-        record(kind="send", src=self.me, dst=self.nxt, chunk=step.send_chunk, **common)
-        record(kind="recv", src=self.prv, dst=self.me, chunk=step.recv_chunk, **common)
+    def done(self, i: int, *, phase: str, send_chunk: int, recv_chunk: int, nbytes: int, device) -> None:
+        """Step i's last segment has arrived (and been added): it sent chunk `send_chunk` to the next
+        rank and received `nbytes` of chunk `recv_chunk` from the previous one, in `phase`."""
+        in_phase = self.steps_in_phase.get(phase, 0)  # steps count from 0 in each phase
+        self.steps_in_phase[phase] = in_phase + 1
+        common = dict(op=self.op, phase=phase, step=in_phase, bytes=nbytes, start=self.started[i], end=now(device))
+        record(kind="send", src=self.me, dst=self.nxt, chunk=send_chunk, **common)
+        record(kind="recv", src=self.prv, dst=self.me, chunk=recv_chunk, **common)
 
 
 def ring_tracer(op: str, me: int, nxt: int, prv: int) -> RingTracer | None:

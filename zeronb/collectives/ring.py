@@ -150,7 +150,7 @@ def _run_ring(steps, segment_bytes: int, group=None, trace=None) -> None:
             ops.append(dist.P2POp(dist.irecv, steps[recv_step].recv[a:b], prv, group))
         if send_step is not None:
             if trace:
-                trace.sending(send_step, steps[send_step])
+                trace.sending(send_step, steps[send_step].send.device)
             ops.append(dist.P2POp(dist.isend, steps[send_step].send[a:b], nxt, group))
         works = dist.batch_isend_irecv(ops)
         if recv_step is not None:
@@ -182,7 +182,8 @@ def _run_ring(steps, segment_bytes: int, group=None, trace=None) -> None:
                 sends.pop((i, k)).wait()  # its buffer may be the next receive's (a work is waited for once)
                 post(k, recv_step=later)
         if trace:
-            trace.done(i, step)
+            trace.done(i, phase=step.phase, send_chunk=step.send_chunk, recv_chunk=step.recv_chunk,
+                       nbytes=step.recv.numel() * step.recv.element_size(), device=step.recv.device)
     for work in sends.values():
         work.wait()
 

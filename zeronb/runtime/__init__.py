@@ -6,6 +6,7 @@
     sockets.py   this rank's TCP connections: which are open, bytes the kernel sent on each, pacing
     links.py     which rank is at the other end of each connection, and the paced links between nodes
     groups.py    every process group and device mesh zeronb makes (shards, replicas, nodes), once per world
+                 (FSDP2 resharding to a node makes its own, inside fully_shard: see groups.py)
 
 The lowest layer: imports torch and the standard library only, nothing else of zeronb.
 """

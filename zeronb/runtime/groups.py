@@ -9,6 +9,10 @@ Every group torch makes in a rank of a pool on several nodes, these and a learne
 announced to zeronb.runtime.links before it is handed back (compat.after_new_group), so that its
 connections are paced from their first byte. Above zeronb.runtime.backend and .topology; below
 the collectives and the stages, which take their groups from here.
+
+One exception, torch's: FSDP2 told to reshard a unit to the ranks of a node after its forward
+(`reshard_after_forward=g`, PyTorch's counterpart of ZeRO++'s hpZ, zeronb.zero.torch_impls) makes
+a mesh of its own for each unit inside `fully_shard`; its API takes a number there, not a mesh.
 """
 from __future__ import annotations
 

@@ -125,6 +125,9 @@ class RunConfig:
                 bad.append(f"{name}: {e}")
         if self.shard_group == "node" and self.shard_size is not None:
             bad.append("shard_group 'node' and shard_size both choose the shard groups: give one")
+        if self.hpz and (self.shard_size is not None or self.shard_group == "node"):
+            bad.append("hpz is ZeRO-3 over every rank with a second copy within the node; with replicas (shard_size, "
+                       "shard_group) the node holds whole copies already: use one")
         if (self.hpz or self.quantize_weights) and self.stage != 3:
             bad.append("hpz and quantize_weights are stage 3's (ZeRO++ changes ZeRO-3's all-gathers)")
         if self.quantize_weights and self.impl == "torch":

@@ -56,6 +56,14 @@ class Bucket:
         flat = self.data if flat is None else flat
         return flat[rank * self.chunk_numel:(rank + 1) * self.chunk_numel]
 
+    def piece(self, i: int, parts: int) -> torch.Tensor:
+        """Piece i of the parameters cut into `parts` equal pieces (parts must divide the number of
+        shards the bucket was padded for: ZeRO++'s secondary shards, a node's share of a unit)."""
+        if self.padded % parts:
+            raise ValueError(f"a bucket padded to {self.padded} elements does not cut into {parts} equal pieces")
+        n = self.padded // parts
+        return self.data[i * n:(i + 1) * n]
+
     def views(self, flat: torch.Tensor) -> list:
         """Each parameter's slice of another flat tensor laid out like this bucket (e.g. gradients)."""
         return [flat[o:o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]

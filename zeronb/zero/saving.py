@@ -4,7 +4,7 @@ and the gradient watcher behind the parity checks (zeronb.zero.observe.Gradients
 through these, so that the stage's own modules keep only the step."""
 from __future__ import annotations
 
-from ..checkpoint import PARAMS, STEP, bucket_key
+from ..checkpoint import PARAMS, STEP, bucket_key, layout_entry
 from ..runtime.compat import dtensor
 from ..runtime.groups import device_mesh
 from ..shards import shard_numel
@@ -62,4 +62,4 @@ class FlatSaving:
         """After a checkpoint was loaded into the shards: make the rest of the state agree with them."""
 
     def checkpoint_layout(self):
-        return {b.name: [[self.names[p], list(p.shape), o] for p, o in zip(b.params, b.offsets)] for b in self.buckets}
+        return {b.name: [layout_entry(self.names[p], p.shape, o) for p, o in zip(b.params, b.offsets)] for b in self.buckets}

@@ -173,7 +173,8 @@ class TorchFSDP(TorchStage):
         """`reshard_last_unit` (stage 3): False keeps the last unit's parameters gathered from its
         forward to its backward, as zeronb's ZeRO-3 does. `hpz` (stage 3): after forward, reshard
         each unit to the ranks of one node (reshard_after_forward=g), so that backward gathers within
-        the node: FSDP2's counterpart of ZeRO++'s hpZ."""
+        the node: FSDP2's counterpart of ZeRO++'s hpZ. (FSDP2 then makes a mesh of the node's ranks for
+        each unit itself: `reshard_after_forward` takes a number, not a mesh.)"""
         super().__init__(model, config, observers)
         self.stage = stage
         if self.shard_group is not None and self.replica_group is None:

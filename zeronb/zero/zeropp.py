@@ -24,6 +24,7 @@ go through ZeRO-3's reduce-scatter unchanged.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ..runtime.compat import all_gather_single
 from ..runtime.groups import node_groups
@@ -60,12 +61,13 @@ class ZeROPlusPlus(ZeRO3):
             raise ValueError(f"quantize_weights must be None or 'int8', not {quantize_weights!r}")
         self.hpz, self.quantize_weights = hpz, quantize_weights
         if hpz:
-            topology = Topology.from_env()
-            if topology.nodes == 1:
+            if Topology.from_env().nodes == 1:
                 raise ValueError("hpz keeps a copy of the parameters sharded within a node: it needs a pool on "
                                  "several nodes (zeronb.start(world_size=4, nodes=2), or --nodes 2)")
-            self.node_group, _ = node_groups()
-            self.local_rank, self.per_node = topology.local_rank(self.shard_rank), topology.per_node
+            if self.replica_group is not None:
+                raise ValueError("hpz is ZeRO-3 over every rank with a second copy sharded within the node; with "
+                                 "replicas (shard_size, shard_group) the node holds whole copies already: use one")
+            self.node_group, _ = node_groups()  # this rank's place in it, and its size, are the group's
         self.secondary: dict = {}  # hpZ: unit index -> this rank's secondary shard, from forward to the step
         self.in_backward = False
 
@@ -79,8 +81,8 @@ class ZeROPlusPlus(ZeRO3):
 
     def _after_forward(self, u):
         if self.hpz:  # this rank's 1/g of the unit, while it is here: what the node gathers in backward
-            n = u.padded // self.per_node  # (the buffer is padded to a multiple of N, so of g too)
-            self.secondary[u.index] = u.data[self.local_rank * n:(self.local_rank + 1) * n].clone()
+            node = self.node_group
+            self.secondary[u.index] = u.piece(dist.get_rank(node), dist.get_world_size(node)).clone()
         super()._after_forward(u)
 
     def _issue_gather(self, u: Unit):
