@@ -153,8 +153,10 @@ def test_training_in_practice_on_cuda_matches_one_process(stage, impl):
 
 
 def _zero3_timeline(prefetch):
-    """Inside a rank on a GPU: ZeRO-3 on a GPT large enough that the GPU runs behind the CPU (the
-    kernels queue up), the last of three steps watched by a Timeline - CUDA events, no synchronize."""
+    """Inside a rank on a GPU: ZeRO-3 on a GPT, the last of three steps watched by a Timeline - CUDA
+    events, no synchronize. A fast GPU keeps up with the CPU at a step's start (an H100 did: the
+    first two gathers ended before the units before them began), so the watched step starts with the
+    GPU held back: every kernel is queued, and the streams' order alone decides what overlaps."""
     import zeronb
     from zeronb.models import Config, local_batch, make_model
     from zeronb.zero.observe import Timeline
@@ -166,6 +168,8 @@ def _zero3_timeline(prefetch):
     timeline = Timeline(dev)
     for step in range(3):
         stage.observers = [timeline] if step == 2 else []
+        if step == 2:  # the GPU starts the watched step ~20 ms behind the CPU, so that every kernel of the step is
+            torch.cuda._sleep(40_000_000)  # queued before it runs: what overlaps is then the schedule's, not the race's
         stage.train_step(*local_batch(cfg, step, dist.get_rank(), dist.get_world_size(), device=dev))
     return timeline.spans()
 

@@ -24,7 +24,7 @@ def grad_diff(ranks: list, reference) -> float:
     the last step (RankReport.grads: pieces of parameters, {name: (start, stop, values)}) and the
     reference's whole gradients. Every element of every parameter must be covered by some rank's
     pieces, or this raises: a check that silently skipped a shard would prove nothing."""
-    full = {name: values for name, (_, _, values) in reference.grads.items()}
+    full = {name: values.detach().cpu() for name, (_, _, values) in reference.grads.items()}  # (a GPU's too)
     covered = {name: torch.zeros(v.numel(), dtype=torch.bool) for name, v in full.items()}
     worst = 0.0
     for r in ranks:
