@@ -9,7 +9,7 @@ from ..runtime.topology import parse_rate
 from .collectives import SIZES, collectives, print_collectives
 from .dispatch import dispatch, print_dispatch
 from .nodes import nodes, print_nodes
-from .stages import print_zero, zero
+from .stages import IMPLS, print_zero, zero
 
 
 def main(argv=None) -> int:
@@ -34,6 +34,8 @@ def main(argv=None) -> int:
     p.add_argument("--precision", "--dtype", default="float32", choices=list(PRECISIONS))
     p.add_argument("--grad-accum", type=int, default=4, help="micro-batches of the accumulation variants")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS,
+                   help="implementations to run side by side (the variants are zeronb's)")
     p = sub.add_parser("nodes", help="2 nodes x 2 ranks, paced links: flat ring, hierarchical and gloo all-reduce "
                                      "at several link ratios against the alpha-beta model; the stages' bytes across nodes")
     p.add_argument("--ratios", type=float, nargs="+", default=[1, 4, 10, 16], help="intra-node rate / inter-node rate")
@@ -45,7 +47,8 @@ def main(argv=None) -> int:
         print_nodes(nodes(tuple(args.ratios), tuple(args.sizes), parse_rate(args.intra_node_bandwidth), args.reps))
     if args.what == "zero":
         print_zero(zero(args.world_size, models=tuple(args.models), rounds=args.rounds, steps=args.steps,
-                         precision=args.precision, accum=args.grad_accum), args.world_size, args.precision)
+                         precision=args.precision, accum=args.grad_accum,
+                         impls=tuple(args.impls)), args.world_size, args.precision)
     if args.what == "collectives":
         result = collectives(tuple(args.world_sizes), tuple(args.sizes), reps=args.reps,
                              segment_bytes=args.segment_bytes)

@@ -28,6 +28,7 @@ def train_rank(config: RunConfig, build=None) -> RankReport:
     model = make_model(cfg, dtype, dev)
     if config.activation_checkpointing:
         checkpoint_activations(model)
+    psi = num_params(model)  # (before the stage is built: DeepSpeed's stage 3 empties the parameters it partitions)
     stage = build_stage(config, model, build)
     first = 0
     if config.resume:  # the saved shards, resharded by DCP onto this many ranks
@@ -60,11 +61,11 @@ def train_rank(config: RunConfig, build=None) -> RankReport:
         checkpoint.save(stage, config.checkpoint, {**config.settings(), "steps_done": config.steps})
     loss = torch.tensor([losses[-1]], dtype=torch.float64, device=dev)
     dist.all_reduce(loss)  # equal local batches: the mean of local losses is the global batch's loss
-    psi, per_parameter = num_params(model), memory.bytes_per_parameter(config.precision, config.optimizer)
+    per_parameter = memory.bytes_per_parameter(config.precision, config.optimizer)
     # the median unobserved step after the first (which warms up); the observed one if none other ran
     step_ms = statistics.median(times[1:] or times) * 1e3 if times else observed_ms
     timeline = traced[0] if traced else None
-    return RankReport(
+    report = RankReport(
         rank=rank, device=str(dev), num_params=psi, steps_taken=config.steps - first, final_loss=loss.item() / n,
         step_ms=step_ms, bytes=memory.measure(**stage.state_tensors()),
         expected_bytes=memory.model_state_breakdown(psi, stage.num_shards, config.stage, *per_parameter),
@@ -77,6 +78,8 @@ def train_rank(config: RunConfig, build=None) -> RankReport:
         timeline_origin=timeline.origin if timeline else None, memory_trace=traced[1].notes if traced else None,
         phases=traced[2].phases if traced else None,
         params={k: v.cpu() for k, v in stage.full_parameters().items()}, **memory.cuda_memory(dev))
+    stage.close()  # (a pool's rank lives on: DeepSpeed's engine lets go of its hooks and buffers)
+    return report
 
 
 def train_ranks(configs: list, build=None) -> list:

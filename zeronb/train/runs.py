@@ -19,10 +19,11 @@ from ..precision import OPTIMIZERS, PRECISIONS, precision
 from ..runtime.topology import parse_rate
 from ..zero import STAGES
 from ..zero.config import REDUCE_SCATTERS, StageConfig
+from ..zero.deepspeed_engine import check_runs_here, deepspeed_config
 from ..zero.zeropp import QUANTIZE_WEIGHTS
 
 REDUCE_DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16}
-IMPLS = ("zeronb", "torch")  # zeronb's stages, or PyTorch's counterparts
+IMPLS = ("zeronb", "torch", "deepspeed")  # zeronb's stages, PyTorch's counterparts, or DeepSpeed's ZeRO
 SHARD_GROUPS = ("world", "node")  # shard over every rank, or within each node (replicas across: HSDP)
 STRUCTURE = ("stage", "impl", "model", "precision", "optimizer")  # what a resume must share with the saved run
 
@@ -38,7 +39,7 @@ class RunConfig:
     seed: int = 0
     lr: float = 1e-3
     global_batch: int = 16
-    impl: str = "zeronb"            # "zeronb", or "torch": PyTorch's DDP / ZeroRedundancyOptimizer / FSDP2
+    impl: str = "zeronb"            # "zeronb", "torch" (PyTorch's DDP / ZeroRedundancyOptimizer / FSDP2) or "deepspeed"
     prefetch: bool = False          # stage 3: issue the next unit's all-gather before this unit computes
     reshard_after_forward: bool = True  # stage 3: free a unit's parameters after its forward
     wrap: str = "units"             # stage 3: the units gathered together (zeronb.models.choose_units)
@@ -59,6 +60,7 @@ class RunConfig:
     resume: Optional[str] = None         # load one saved there and train on to `steps` in all
     trace: bool = False             # the last step's timeline and memory trace, in the report
     timeout: float = 600            # seconds for the whole run on a pool
+    deepspeed_overrides: Optional[dict] = None  # impl "deepspeed": its config keys laid over deepspeed_config()'s
 
     def __post_init__(self):
         problems = self.problems()
@@ -97,6 +99,8 @@ class RunConfig:
                                      or self.reduce_scatter != "torch"):
             bad.append("prefetch, reshard_after_forward, wrap and reduce_scatter choose among zeronb's own "
                        "stages; impl 'torch' picks PyTorch's by stage")
+        if self.impl == "deepspeed":
+            bad += self._deepspeed_problems()
         if self.stage != 3 and (self.prefetch or not self.reshard_after_forward or self.wrap != "units"):
             bad.append("prefetch, reshard_after_forward and wrap are stage 3's settings")
         if self.shard_size is not None and (self.shard_size < 1 or (self.nproc and self.nproc % self.shard_size)):
@@ -133,6 +137,40 @@ class RunConfig:
         if self.quantize_weights and self.impl == "torch":
             bad.append("quantize_weights is zeronb's (FSDP2 has no quantized all-gather); use impl 'zeronb'")
         return bad
+
+    def _deepspeed_problems(self) -> list[str]:
+        bad = []
+        if self.stage == 0:
+            bad.append("impl 'deepspeed' runs DeepSpeed's ZeRO stages 1, 2 and 3; for DDP use impl 'zeronb' or 'torch'")
+        if self.precision == "float64":
+            bad.append("DeepSpeed keeps its optimizer's partitions in float32 (stage_1_and_2.py and stage3.py: "
+                       ".float()), so a float64 run would step in float32: use float32 or bf16-mixed")
+        if self.wrap != "units" or self.reduce_scatter != "torch" or self.quantize_weights:
+            bad.append("wrap, reduce_scatter and quantize_weights choose among zeronb's own stages; DeepSpeed gathers "
+                       "each module that owns parameters, reduces with the backend's collectives, and its qwZ "
+                       "needs compiled CUDA kernels")
+        if self.shard_size is not None or self.shard_group == "node":
+            bad.append("replicas (shard_size, shard_group) are zeronb's and FSDP2's here; DeepSpeed's MiCS is not wired")
+        if self.checkpoint or self.resume:
+            bad.append("impl 'deepspeed' saves with DeepSpeed's own engine.save_checkpoint, not zeronb's checkpoints")
+        if self.grad_accum > 1 and self.sync_each_micro_batch != (self.stage != 1):
+            bad.append(f"DeepSpeed's stage {self.stage} communicates gradients "
+                       + ("after the last micro-batch only: set sync_each_micro_batch=False" if self.stage == 1 else
+                          "after every micro-batch: keep sync_each_micro_batch=True"))
+        if not bad:
+            try:
+                check_runs_here(self.deepspeed_config(self.nproc or 2))
+            except ValueError as e:
+                bad.append(str(e))
+        return bad
+
+    def deepspeed_config(self, world_size: int) -> dict:
+        """The DeepSpeed config of this run on `world_size` ranks (zeronb.zero.deepspeed_engine)."""
+        return deepspeed_config(self.stage, world_size, self.global_batch, precision=self.precision,
+                                micro_batches=self.grad_accum, clip_norm=self.clip_norm, reduce_dtype=self.reduce_dtype,
+                                prefetch=self.prefetch, reshard_after_forward=self.reshard_after_forward,
+                                hpz_ranks=(world_size // self.nodes) if self.hpz and self.nodes else None,
+                                overrides=self.deepspeed_overrides)
 
     def _resume_problems(self) -> list[str]:
         try:

@@ -2,9 +2,12 @@
 built from the RunConfig on the process groups it asks for."""
 from __future__ import annotations
 
+import torch.distributed as dist
+
 from ..models import choose_units
 from ..runtime.groups import node_groups, sharding_groups
 from ..zero import STAGES, ZeROPlusPlus
+from ..zero.deepspeed_engine import DeepSpeedStage
 from ..zero.torch_impls import torch_stage
 from .runs import RunConfig
 
@@ -18,6 +21,8 @@ def build_stage(config: RunConfig, model, build=None):
     stage_config = config.stage_config(*groups)
     if build is not None:
         return build(model, stage_config)
+    if config.impl == "deepspeed":
+        return DeepSpeedStage(model, config.stage, stage_config, config.deepspeed_config(dist.get_world_size()))
     if config.impl == "torch":
         return torch_stage(model, config.stage, stage_config, hpz=config.hpz)
     if config.stage != 3:

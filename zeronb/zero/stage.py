@@ -71,6 +71,9 @@ class Stage:
         self.hooks = []
         _attached.discard(self.model)
 
+    def close(self) -> None:
+        """Let go of what the stage holds beyond the model, once it is done with (DeepSpeed's engine)."""
+
     # -- the step -----------------------------------------------------------------------------
 
     def train_step(self, x, y, micro_batches: int = 1) -> float:
