@@ -1,11 +1,12 @@
 """The NCCL path, on as many GPUs as the machine has (up to 4; one is enough): a group per device,
 CUDA and CPU tensors in one call, the ring on CUDA, every stage and --impl of the train CLI with
-torch.cuda's memory figures, SGD and the gradients against one process, the training-in-practice
+torch.cuda's memory figures, SGD and the gradients against one process (DeepSpeed's stages too), the training-in-practice
 flags and a checkpoint resumed on another number of ranks, ZeRO-3's prefetch overlapping on the
 GPU's own clock, the exercise checkers, a failure and its recovery, and a soak.
 Marked `gpu` and skipped where there is no GPU (CI has none). With one GPU, every test runs on a
 1-rank NCCL group: what several NCCL ranks do (traffic between GPUs) is for a machine with more.
 `bash scripts/gpu_check.sh` runs these, every chapter and the train CLI on a GPU box."""
+import importlib.util
 import json
 import os
 
@@ -127,6 +128,23 @@ def test_sgd_and_the_gradients_on_cuda_match_one_process(stage, impl):
     got = run(config.replace(nproc=N, stage=stage, impl=impl))
     assert got.ranks[0].device == "cuda:0"
     assert max_diff(got.params, ref.params) <= 1e-10 and grad_diff(got.ranks, ref.ranks[0]) <= 1e-12
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_on_cuda_matches_one_process_and_holds_what_its_tensors_say(stage):
+    """DeepSpeed's stages with its CUDA accelerator on NCCL ranks, no op compiled: SGD's parameters and
+    the averaged gradients of one CUDA process (float32: its optimizer keeps float32 partitions), and
+    what its tensors hold, inside what torch.cuda's allocator counts."""
+    from zeronb.train import RunConfig, grad_diff, max_diff, run, train_single
+
+    config = RunConfig(model="gpt", precision="float32", steps=3, optimizer="sgd")
+    ref = train_single(config)
+    got = run(config.replace(nproc=N, stage=stage, impl="deepspeed"))
+    r = got.ranks[0]
+    assert r.device == "cuda:0"
+    assert max_diff(got.params, ref.params) <= 1e-5 and grad_diff(got.ranks, ref.ranks[0]) <= 1e-6
+    assert r.bytes["params"] == r.expected_bytes["params"] and r.cuda_allocated >= sum(r.bytes.values())
 
 
 @pytest.mark.parametrize("stage,impl", [(s, i) for s in range(4) for i in ("zeronb", "torch")])

@@ -1,5 +1,6 @@
 """`python -m zeronb doctor`: what this machine offers zeronb, and a smoke all-reduce on 2 ranks."""
 import argparse
+import importlib.metadata
 import platform
 import sys
 import time
@@ -38,6 +39,10 @@ def doctor() -> int:
 
     print(f"python      {sys.version.split()[0]} ({platform.platform()})")
     print(f"torch       {torch.__version__}")
+    try:  # (the version from its metadata: importing deepspeed takes seconds and picks an accelerator)
+        print(f"deepspeed   {importlib.metadata.version('deepspeed')} (impl 'deepspeed': no compiled op is used)")
+    except importlib.metadata.PackageNotFoundError:
+        print("deepspeed   not installed (impl 'deepspeed' is unavailable; scripts/setup.sh installs it)")
     avail = [name for name, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available()),
                                    ("mpi", dist.is_mpi_available())) if ok]
     print(f"backends    {', '.join(avail) or 'none'}")

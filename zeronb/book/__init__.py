@@ -8,6 +8,7 @@
     calculator.py  chapter 6's memory calculator
     claims.py      chapter 14's claims, as data and rules; claims_text.py: the sentences that explain them
     watched.py     one rank's watched ZeRO-3 step, for chapter 14's memory-over-time figure
+    implementations.py  zeronb's, PyTorch's and DeepSpeed's stages side by side (chapters 8-11, 14)
     exercises/     the checkers of the chapters' exercises
 
 The top layer, beside zeronb.bench: may import every layer below (train, zero, the lessons, pool,

@@ -1,7 +1,7 @@
 """The ZeRO stages, one short module each: ddp (stage 0), zero1, zero2, zero3 (and FSDP's options),
 zeropp (ZeRO-3 with ZeRO++'s hpZ and qwZ, for several nodes), behind one interface (stage.Stage)
 and one config (config.StageConfig); PyTorch's counterparts behind the same interface
-(torch_impls); and what watches a stage from outside (observe):
+(torch_impls), and DeepSpeed's own ZeRO stages 1-3 (deepspeed_engine); and what watches a stage from outside (observe):
 
     stage = ZeRO1(model, StageConfig(precision="float32", lr=1e-3))
     loss = stage.train_step(x, y)        # forward, backward, communication, optimizer step
