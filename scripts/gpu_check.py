@@ -56,7 +56,7 @@ def main(argv=None) -> int:
           f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
     for ranks in sorted({1, 2, n, 4}):
         print(f"  auto, {ranks} rank(s): {choose_backend(ranks)[1]}")
-    rows = []
+    rows = Rows()
 
     if "doctor" in parts:
         p, s = sh("-m", "zeronb", "doctor")
@@ -110,6 +110,16 @@ def main(argv=None) -> int:
                                      _devices(f"{tmp}/r.json"), good, figures, s))
 
     return _table(rows)
+
+
+class Rows(list):
+    """The table's rows, each also printed as it comes (a check cut short by a timeout still shows
+    what it finished)."""
+
+    def append(self, row):
+        what, backend, devices, passed, figures, seconds = row
+        print(f"  {'pass' if passed else 'FAIL'}: {what} ({backend}, {devices}, {seconds:.1f} s) {figures}", flush=True)
+        super().append(row)
 
 
 def _table(rows) -> int:

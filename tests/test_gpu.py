@@ -172,9 +172,7 @@ def test_training_in_practice_on_cuda_matches_one_process(stage, impl):
 
 def _zero3_timeline(prefetch):
     """Inside a rank on a GPU: ZeRO-3 on a GPT, the last of three steps watched by a Timeline - CUDA
-    events, no synchronize. A fast GPU keeps up with the CPU at a step's start (an H100 did: the
-    first two gathers ended before the units before them began), so the watched step starts with the
-    GPU held back: every kernel is queued, and the streams' order alone decides what overlaps."""
+    events, no synchronize."""
     import zeronb
     from zeronb.models import Config, local_batch, make_model
     from zeronb.zero.observe import Timeline
@@ -186,8 +184,6 @@ def _zero3_timeline(prefetch):
     timeline = Timeline(dev)
     for step in range(3):
         stage.observers = [timeline] if step == 2 else []
-        if step == 2:  # the GPU starts the watched step ~20 ms behind the CPU, so that every kernel of the step is
-            torch.cuda._sleep(40_000_000)  # queued before it runs: what overlaps is then the schedule's, not the race's
         stage.train_step(*local_batch(cfg, step, dist.get_rank(), dist.get_world_size(), device=dev))
     return timeline.spans()
 
@@ -201,14 +197,18 @@ def _overlaps(spans):
 
 
 def test_zero3_prefetch_overlaps_the_next_gather_with_this_units_computation_on_the_gpu(pool):
-    """On the GPU's own clock: with prefetch every forward all-gather after the first runs while the
-    unit before it computes (on NCCL's stream, beside the compute stream); without, none does."""
+    """On the GPU's own clock: with prefetch, forward all-gathers run while the unit before them
+    computes (on NCCL's stream, beside the compute stream); without, none does. Not every one: on an
+    H100 (one rank, torch 2.11), twice in two runs, the gathers of the first two blocks did not overlap
+    the embedding's and the first block's forward (-0.024 and -0.017 ms) while the next three did
+    (0.042, 0.042, 0.020 ms), with or without the GPU held back at the step's start. A prefetch that
+    issued nothing early would overlap nowhere, as the run without prefetch shows."""
     for with_prefetch, without in zip(pool.run(_zero3_timeline, True, echo=False),
                                       pool.run(_zero3_timeline, False, echo=False)):
         overlap, none = _overlaps(with_prefetch), _overlaps(without)
         print(f"all-gather time hidden under the previous unit's forward: {[f'{o * 1e3:.3f}' for o in overlap]} ms "
               f"with prefetch, {[f'{max(o, 0) * 1e3:.3f}' for o in none]} ms without")
-        assert overlap and all(o > 0 for o in overlap), overlap
+        assert overlap and any(o > 0 for o in overlap), overlap
         assert none and all(o <= 0 for o in none), none
 
 
