@@ -143,8 +143,9 @@ class RunConfig:
         if self.stage == 0:
             bad.append("impl 'deepspeed' runs DeepSpeed's ZeRO stages 1, 2 and 3; for DDP use impl 'zeronb' or 'torch'")
         if self.precision == "float64":
-            bad.append("DeepSpeed keeps its optimizer's partitions in float32 (stage_1_and_2.py and stage3.py: "
-                       ".float()), so a float64 run would step in float32: use float32 or bf16-mixed")
+            bad.append("DeepSpeed's optimizer steps a copy of its partitions in master_weights_and_grads_dtype, "
+                       "float32 unless set (stage_1_and_2.py, stage3.py), so a float64 run would step in float32: "
+                       "use float32 or bf16-mixed")
         if self.wrap != "units" or self.reduce_scatter != "torch" or self.quantize_weights:
             bad.append("wrap, reduce_scatter and quantize_weights choose among zeronb's own stages; DeepSpeed gathers "
                        "each module that owns parameters, reduces with the backend's collectives, and its qwZ "
