@@ -57,12 +57,12 @@ def implementations_table(rows):
 
     return table(
         ["implementation", "max |param diff| vs 1 process", "max |grad diff|", "rank 0 holds (KiB)",
-         "ZeRO formula (KiB)", "held / formula", "wire KiB / step (OS count)", "collectives credited (KiB)",
+         "ZeRO formula (KiB)", "held / formula", "wire KiB / step (OS count)", "collectives credited",
          "step ms (median, range)"],
         [[name(r), f"{r['param_diff']:.1e}", "-" if r["grad_diff"] is None else f"{r['grad_diff']:.1e}",
           kib(r["held"]), kib(r["formula"]), f"{r['held'] / r['formula']:.2f}",
           "-" if r["wire"] is None else kib(r["wire"]),
-          ", ".join(f"{op} {kib(b)}" for op, b in sorted(r["credited"].items())),
+          ", ".join(f"{op} {kib(b) + ' KiB' if b >= 1024 else f'{b} B'}" for op, b in sorted(r["credited"].items())),
           f"{r['step_ms']:.1f} ({r['step_ms_range'][0]:.1f}-{r['step_ms_range'][1]:.1f})"] for r in rows])
 
 
