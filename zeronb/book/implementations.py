@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import statistics
 
+from ..runtime.backend import device
 from ..train import RunConfig, grad_diff, max_diff, run_many, train_single
+from ..zero.deepspeed_engine import import_deepspeed
 
 IMPLEMENTATIONS = ("zeronb", "torch", "deepspeed")
 NAMES = {"zeronb": "zeronb", "torch": "PyTorch", "deepspeed": "DeepSpeed"}
@@ -98,3 +100,24 @@ def knob_map(world_size: int = 4) -> list[tuple]:
         diff = {k: v for k, v in after.items() if before.get(k) != v}
         rows.append((knob, diff, fsdp2))
     return rows
+
+
+def deepspeed_defaults(*keys) -> dict:
+    """DeepSpeed's own defaults for these keys of its ZeRO config (DeepSpeedZeroConfig), read where
+    DeepSpeed runs: on a rank (`pool.run(deepspeed_defaults, "reduce_bucket_size")`)."""
+    import_deepspeed(device())  # as the runs import it on this rank
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # (deferred: after the accelerator is chosen)
+
+    defaults = DeepSpeedZeroConfig()
+    return {key: getattr(defaults, key) for key in keys}
+
+
+def tensors_reaching_into(sizes: list, partition: int, rank: int) -> list:
+    """The sizes of the tensors (laid end to end, in this order) that reach into elements
+    [rank * partition, (rank + 1) * partition): what DeepSpeed's ZeRO-1/2 copies whole after backward."""
+    lo, hi, out, offset = rank * partition, (rank + 1) * partition, [], 0
+    for k in sizes:
+        if offset < hi and offset + k > lo:
+            out.append(k)
+        offset += k
+    return out
