@@ -1,7 +1,8 @@
 """The rendered book in a real browser (headless Chromium, driven by Playwright), as a reader with no
 internet access meets it: every page loads without console errors and without asking any other host
-for anything; math is typeset; widgets and animation controls render; a screenshot of every page is
-saved in _build/screenshots/ for a person to look at (the whole page)."""
+for anything; math is typeset; animation controls render; chapter 6's calculator answers new inputs
+as Python's does and chapter 4's ring explorer shows every frame, with no kernel; a screenshot of
+every page is saved in _build/screenshots/ for a person to look at (the whole page)."""
 import functools
 import http.server
 import shutil
@@ -9,7 +10,6 @@ import threading
 from urllib.parse import urlparse
 
 import pytest
-
 from conftest import ROOT, toc_files
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -63,6 +63,8 @@ def pages(site):
                 raw_tex: /\\$\\$|\\\\\\(|\\\\\\[/.test(document.querySelector('main')?.innerText || ''),
                 widgets: document.querySelectorAll('.jupyter-widgets, .widget-slider, .widget-image').length,
                 widget_views: document.querySelectorAll('script[type="application/vnd.jupyter.widget-view+json"]').length,
+                calculators: document.querySelectorAll('[data-zeronb-calc-root]').length,
+                ring_explorers: document.querySelectorAll('.zeronb-ring').length,
                 animations: document.querySelectorAll('.animation input[type=range], .anim-buttons').length,
                 title: document.title,
                 figures: document.querySelectorAll('img').length,
@@ -94,12 +96,100 @@ def test_math_is_typeset(pages):
         assert not pages[f]["raw_tex"], f"{f}: raw TeX delimiters in the text"
 
 
-def test_widgets_and_animations_render(pages):
-    with_widgets = [f for f, info in pages.items() if info["widget_views"]]
-    assert with_widgets, "no page embeds a widget?"
-    for f in with_widgets:
-        assert pages[f]["widgets"] > 0, f"{f}: widget state saved but nothing rendered"
+def test_the_explorers_and_animations_render_without_a_kernel(pages):
+    """The widgets' outputs render as the page's own explorers (zeronb.book.page), not as saved widget
+    state that could not answer; the ring animation has its controls."""
+    for f, info in pages.items():
+        assert not info["widget_views"], f"{f}: a widget's saved view rendered, which cannot answer without a kernel"
+    assert pages["notebooks/06_memory"]["calculators"] == 1, "the memory calculator is not on chapter 6's page"
+    assert pages["notebooks/04_ring"]["ring_explorers"] == 1, "the ring explorer is not on chapter 4's page"
     assert pages["notebooks/04_ring"]["animations"] > 0, "the ring animation has no controls"
+
+
+def _calculator_inputs():
+    """At least 20 inputs: the edges (N = 1, stage 0, 1e12 parameters, every precision and optimizer) and
+    random ones, from a fixed seed."""
+    import random
+
+    from zeronb.book.calculator import OPTIMIZERS
+    from zeronb.precision import PRECISIONS
+
+    edges = [("1", 1, 0, "float32", "sgd"), ("1e12", 1, 3, "bf16-mixed", "adam"), ("1e12", 4096, 3, "float64", "adam"),
+             ("7.5B", 64, 0, "bf16-mixed", "sgd-momentum"), ("125M", 3, 2, "float32", "sgd-momentum")]
+    edges += [("350k", 8, s, p, o) for s in range(4) for p in PRECISIONS for o in OPTIMIZERS][::5]
+    rng = random.Random(26)
+    sizes = ["7.5B", "125M", "1e12", "350k", "1,000,000", "2.7e9", "13b", "0.5", "1T", "999", "70B", "1_000", "6.7e9"]
+    rand = [(rng.choice(sizes), rng.randint(1, 4096), rng.randint(0, 3), rng.choice(list(PRECISIONS)),
+             rng.choice(list(OPTIMIZERS))) for _ in range(30)]
+    return edges + rand
+
+
+def _set_calculator(page, values):
+    for name, value in zip(("num_params", "world_size", "stage", "precision", "optimizer"), values):
+        field = page.locator(f"[data-zeronb-calc={name}]")
+        if field.evaluate("e => e.tagName") == "SELECT":
+            field.select_option(str(value))  # (fires change)
+        else:
+            field.fill(str(value))
+            field.dispatch_event("change")
+
+
+@pytest.fixture(scope="module")
+def browser_page(site):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = browser.new_page()
+        page.route("**/*", lambda r: r.continue_() if urlparse(r.request.url).hostname in ("127.0.0.1", None)
+                   else r.abort())
+        yield page
+        browser.close()
+
+
+def test_the_calculator_answers_in_the_page_as_python_does(site, browser_page):
+    """Chapter 6's calculator in the built page, offline: every answer (the chosen stage's bytes per
+    device, and its line of text) equals Python's calculate/describe, exactly; a bad input gets
+    Python's message and keeps the last answer and chart."""
+    from zeronb.book.calculator import calculate, describe
+
+    page = browser_page
+    page.goto(f"{site}/notebooks/06_memory.html", wait_until="load")
+    result = page.locator("[data-zeronb-calc=result]")
+    assert float(result.get_attribute("data-bytes")) == calculate("7.5B", 64, 3)["total"]  # as the chapter opens it
+    inputs = _calculator_inputs()
+    assert len(inputs) >= 20
+    for values in inputs:
+        _set_calculator(page, values)
+        want = calculate(*values)
+        assert float(result.get_attribute("data-bytes")) == want["total"], values
+        assert result.inner_text() == describe(want), values
+        assert page.locator("[data-zeronb-calc=error]").inner_text() == ""
+    chart = page.locator("[data-zeronb-calc=chart]").inner_html()
+    last = result.get_attribute("data-bytes")
+    for bad in ("7.5Q", "-3", "abc"):
+        _set_calculator(page, (bad,))
+        with pytest.raises(ValueError) as python:
+            calculate(bad, 64, 3)
+        assert page.locator("[data-zeronb-calc=error]").inner_text() == str(python.value)
+        assert result.get_attribute("data-bytes") == last and page.locator("[data-zeronb-calc=chart]").inner_html() == chart
+
+
+def test_the_ring_explorer_slider_shows_every_frame_in_the_page(site, browser_page):
+    page = browser_page
+    page.goto(f"{site}/notebooks/04_ring.html", wait_until="load")
+    slider = page.locator("[data-zeronb-ring=slider]")
+    frames = int(slider.get_attribute("max")) + 1
+    assert frames >= 3
+    seen = set()
+    for i in range(frames):
+        slider.fill(str(i))  # (a range input: sets the value, fires input and change)
+        shown = page.locator(".zeronb-ring img:not([hidden])")
+        assert shown.count() == 1 and shown.get_attribute("data-frame") == str(i)
+        caption = page.locator("[data-zeronb-ring=caption]").inner_text()
+        assert caption.endswith(f"({i + 1} of {frames})")
+        seen.add(shown.get_attribute("src"))
+    assert len(seen) == frames  # a different picture for every frame
 
 
 def test_every_page_has_a_title(pages):

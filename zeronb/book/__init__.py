@@ -3,6 +3,7 @@
     viz.py         the ring's steps and a collective's timeline, as figures
     timeline.py    a traced ZeRO-3 / FSDP step, unit by unit (chapters 10 and 11)
     widgets.py     the ring explorer (ipywidgets)
+    page.py        the calculator and the ring explorer answering in the rendered page, no kernel (calculator.js)
     display.py     tables and source listings in a notebook
     glue.py        values a chapter glues into its prose
     calculator.py  chapter 6's memory calculator

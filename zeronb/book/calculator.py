@@ -16,8 +16,9 @@ bytes of optimizer state per parameter, which depends on the optimizer as well a
 in float64; SGD with momentum 4 + 4 = 8 in bf16-mixed and 4 in float32; plain SGD 4 in bf16-mixed
 and 0 otherwise.
 
-The widget needs a live Jupyter kernel to respond; in the static HTML book it shows the state it was
-saved with.
+The widget needs a live Jupyter kernel to respond; the rendered book shows zeronb.book.page's
+calculator_html instead, whose script (calculator.js) answers in the page and is tested against
+`calculate` and `describe` in a browser.
 """
 from __future__ import annotations
 

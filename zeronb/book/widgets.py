@@ -2,8 +2,8 @@
 
     ring_explorer(summaries)     # a slider over the steps of a ring collective, one picture per step
 
-They need a live Jupyter kernel to respond; in the static HTML book they show the state they were
-saved with.
+They need a live Jupyter kernel to respond; the rendered book shows zeronb.book.page's
+ring_explorer_html instead (every frame drawn once, a slider in the page's own script).
 """
 from __future__ import annotations
 
