@@ -60,7 +60,8 @@ def test_deepspeed_equals_one_process_in_parameters_and_gradients(ds_runs, refer
 @pytest.mark.parametrize("combo", COMBOS, ids=lambda c: f"stage{c[0]}-{c[1]}")
 def test_what_deepspeeds_tensors_hold_against_the_formula(ds_runs, n, combo):
     """Read from its own tensors: the parameters as the formula says; its optimizer's fp32 partition
-    (a copy, even in float32: stage_1_and_2.py clones it with .float()) on top of the optimizer
+    (a copy, even in float32: stage_1_and_2.py clones it .to(master_weights_and_grads_dtype), float32
+    by default) on top of the optimizer
     state; between steps stages 1-2 keep no gradient (freed after the step), stage 3 its flat
     gradient partition and one reduce bucket."""
     stage, _ = combo
@@ -88,6 +89,7 @@ def test_the_collectives_deepspeed_runs(ds_runs, n, stage):
         assert "reduce_scatter" not in sent
         assert 0 <= sent["all_reduce"] - ring_bytes("all_reduce", psi_b, n) <= ring_bytes("all_reduce", SMALL, n)
         assert sent["all_gather"] == ring_bytes("all_gather", psi_b, n)
+        assert r.calls_per_step["all_gather"] == 1  # the whole flat buffer at once (allgather_bucket_size: no effect)
     else:
         assert sent["all_gather"] == 2 * ring_bytes("all_gather", psi_b, n)
         assert sent["reduce_scatter"] == ring_bytes("reduce_scatter", psi_b, n)

@@ -11,7 +11,7 @@ runs with its CPU accelerator over the pool's gloo group, and what needs one of 
 (DeepSpeedCPUAdam, FusedAdam, the quantized gathers and reductions of ZeRO++, offload) is refused
 by `check_runs_here`, saying so.
 
-What a rank holds is read from DeepSpeed's own tensors (`held_tensors`): the parameters the model
+What a rank holds is read from DeepSpeed's own tensors (`state_tensors`): the parameters the model
 computes with (stage 3: each one's `ds_tensor`, its partition), the flat fp32 partitions its
 optimizer updates and their state, and its gradient buffers. The gradients the optimizer steps with
 are read by a pre-step hook on that optimizer, and placed in the parameters by DeepSpeed's own
@@ -32,13 +32,15 @@ from .stage import Stage
 
 # What needs one of DeepSpeed's compiled ops, which zeronb never builds (the CPU wheel has none).
 NEEDS_COMPILED_OPS = {
-    "offload_optimizer": "offloading the optimizer runs DeepSpeedCPUAdam, a compiled op",
+    "offload_optimizer": ("offloading the optimizer wants DeepSpeedCPUAdam, a compiled op (a torch optimizer runs there "
+                          "only with zero_force_ds_cpu_optimizer: false, on the CPU, which is not the lesson)"),
     "offload_param": "offloading parameters needs DeepSpeed's compiled async I/O and pinned-memory ops",
     "zero_quantized_weights": "ZeRO++'s qwZ quantizes with compiled CUDA kernels",
     "zero_quantized_gradients": "ZeRO++'s qgZ quantizes with compiled CUDA kernels",
     "zero_quantized_nontrainable_weights": "quantized weights need compiled CUDA kernels",
 }
 ELEMENTS_PER_BUCKET = 16 << 10  # zeronb's buckets are 64 KiB of float32: DeepSpeed's sizes count elements
+NEVER = 2**62  # more elements than any model has: a limit DeepSpeed never reaches
 
 
 def deepspeed_config(stage: int, world_size: int, global_batch: int, *, precision: str = "float32",
@@ -46,15 +48,17 @@ def deepspeed_config(stage: int, world_size: int, global_batch: int, *, precisio
                      prefetch: bool = False, reshard_after_forward: bool = True, hpz_ranks: int | None = None,
                      bucket_elements: int = ELEMENTS_PER_BUCKET, overrides: dict | None = None) -> dict:
     """The DeepSpeed config of a run: zeronb's settings under DeepSpeed's names. DeepSpeed's own
-    defaults are for large models (500M-element buckets, stage 3 keeps every tensor under 100k
-    elements whole, and parameters gathered from forward to backward); these make its buckets the
-    size of zeronb's and its stage 3 gather and free each unit as the chapters' ZeRO-3 does.
+    defaults are for large models (500M-element buckets; stage 3 keeps every tensor of at most 100,000
+    elements whole, and keeps parameters gathered from forward to backward while the elements between
+    the two uses stay under 1e9, which holds for models of up to about half that); these make its
+    reduce buckets the size of zeronb's and its stage 3 gather and free each unit as the chapters'
+    ZeRO-3 does. (`allgather_bucket_size` is left out: stages 1-2 gather the whole flat buffer in one
+    all_gather_into_tensor whatever it says, runtime/utils.py's all_gather_dp_groups.)
     `overrides`: DeepSpeed keys laid over the result (nested dicts merged)."""
     micro = global_batch // (world_size * micro_batches)
     zero = {
         "stage": stage,
         "reduce_bucket_size": bucket_elements,        # gradients reduced together (elements)
-        "allgather_bucket_size": bucket_elements,     # stages 1-2: parameters gathered together after the step
         "overlap_comm": False,                        # reduce in the backward's own order, on its stream
         "contiguous_gradients": True,                 # copy each reduced gradient into one flat buffer
     }
@@ -62,8 +66,10 @@ def deepspeed_config(stage: int, world_size: int, global_batch: int, *, precisio
         zero.update({
             "stage3_param_persistence_threshold": 0,  # partition every tensor, however small
             "stage3_prefetch_bucket_size": bucket_elements if prefetch else 0,  # gather the next unit early
-            "stage3_max_live_parameters": 10**9,
-            "stage3_max_reuse_distance": 10**9 if not reshard_after_forward else 0,  # free after forward
+            "stage3_max_live_parameters": NEVER,      # no limit on the parameters gathered at once
+            # 0: free each module's parameters once it is done; NEVER: keep them until its backward (the
+            # distance counts the elements of every module used in between, about 2 psi for the first)
+            "stage3_max_reuse_distance": NEVER if not reshard_after_forward else 0,
         })
         if hpz_ranks:
             zero["zero_hpz_partition_size"] = hpz_ranks  # ZeRO++'s hpZ: a second copy within the node
