@@ -194,3 +194,28 @@ def test_deepspeeds_hpz_gathers_for_backward_within_the_node(reference):
     assert plain.ranks[0].sent_bytes_per_step["all_gather"] == 2 * ring_bytes("all_gather", psi_b, 4)
     assert hpz.ranks[0].sent_bytes_per_step["all_gather"] == ring_bytes("all_gather", psi_b, 4) + ring_bytes(
         "all_gather", psi_b, 2)
+
+
+def _clipping_deepspeed_reads(clip_norm):
+    """What DeepSpeed's engine, built from zeronb's config, clips to (run on a rank)."""
+    import torch.distributed as dist
+
+    from zeronb import device
+    from zeronb.models import Config, make_model
+    from zeronb.zero import StageConfig
+    from zeronb.zero.deepspeed_engine import DeepSpeedStage
+
+    n = dist.get_world_size()
+    stage = DeepSpeedStage(make_model(Config(kind="mlp"), torch.float32, device()), 2, StageConfig(clip_norm=clip_norm),
+                           deepspeed_config(2, n, 16, clip_norm=clip_norm))
+    try:
+        return stage.engine.gradient_clipping()
+    finally:
+        stage.close()
+
+
+def test_deepspeed_clips_only_when_asked(gloo_pool):
+    """DeepSpeed clips to 1.0 by default: zeronb's config says 0 (none) unless clip_norm is set."""
+    pool = gloo_pool(2)
+    assert pool.run(_clipping_deepspeed_reads, None, echo=False) == [0.0, 0.0]
+    assert pool.run(_clipping_deepspeed_reads, 0.05, echo=False) == [0.05, 0.05]

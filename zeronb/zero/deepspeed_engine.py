@@ -84,8 +84,8 @@ def deepspeed_config(stage: int, world_size: int, global_batch: int, *, precisio
     }
     if precision == "bf16-mixed":
         config["bf16"] = {"enabled": True}           # bf16 parameters, an fp32 copy in the optimizer
-    if clip_norm is not None:
-        config["gradient_clipping"] = clip_norm
+    # DeepSpeed clips to a norm of 1.0 unless told (runtime/constants.py: GRADIENT_CLIPPING_DEFAULT); 0 clips nothing
+    config["gradient_clipping"] = 0.0 if clip_norm is None else clip_norm
     if reduce_dtype is not None:
         config["communication_data_type"] = reduce_dtype
     return _merged(config, overrides or {})
