@@ -1,6 +1,12 @@
-"""`python -m zeronb.bench collectives`: nccl-tests-style sweeps of all-reduce, reduce-scatter and
-all-gather - zeronb's ring, the naive root, and the backend's own - with algbw, busbw, an alpha-beta
-fit and the machine's copy bandwidth as the bound."""
+"""`python -m zeronb.bench collectives`: sweeps of all-reduce, reduce-scatter and all-gather -
+zeronb's ring, the naive root, and the backend's own - reported as nccl-tests reports them (algbw,
+busbw; doc/PERFORMANCE.md), with an alpha-beta fit and the copy bandwidth along the bytes' path (a
+rough bound for a CPU pool, a reference on GPUs).
+
+The timing is not nccl-tests': it launches iterations back to back, with no barrier between them,
+and reports the per-iteration time averaged over the ranks (src/common.cu, `-a 1` by default).
+Here each call runs alone between barriers, its time is the slowest rank's (the skew with which
+ranks leave the barrier included), and a size's time is the median over repetitions."""
 import statistics
 import time
 
@@ -20,7 +26,9 @@ SIZES = tuple(4 << (2 * i) << 10 for i in range(8))  # 4 KiB, 16 KiB, ..., 64 Mi
 
 def _time_collectives(nbytes: int, ops, impls, reps: int, segment_bytes: int) -> dict:
     """Inside a rank: time each (op, impl) on a float32 tensor of `nbytes`, `reps` times,
-    interleaved. A time is the slowest rank's (a collective is done when every rank is done)."""
+    interleaved, each call alone between barriers. A time is the slowest rank's (a collective is
+    done when every rank is done); the result is the median of each. `segment_bytes`: the ring's
+    segment size (zeronb.collectives.ring)."""
     import torch
     import torch.distributed as dist
 
@@ -67,7 +75,9 @@ def memcpy_bandwidth(nbytes: int = 64 << 20, reps: int = 5, device="cpu", to=Non
     bytes copied, not read + written), the median of `reps`. On the CPU it is the physical bound
     of a pool on one machine: every byte a collective moves is copied through memory (loopback TCP
     copies it twice: into the kernel and out again). From one GPU to another it crosses the link
-    between them (NVLink or PCIe), the path NCCL's bytes take."""
+    between them (NVLink or PCIe), the path NCCL's bytes take: a reference there, not a bound (one
+    copy runs on the copy engines; NCCL's kernels move bytes over several channels at once, and
+    with NVLink SHARP the switch adds, so fewer bytes cross each link than busbw's factor assumes)."""
     import torch
 
     device = torch.device(device)
@@ -116,8 +126,8 @@ def copy_ceiling(world_size: int, cores: int | None = None, device="cpu") -> flo
     """A rough ceiling for busbw on one machine, as a fraction of the copy bandwidth `_copy_here`
     measured for `device`. On the CPU: over loopback every byte is copied twice (into the kernel,
     out of it), every rank sends and receives busbw bytes/s, and N ranks share C cores: busbw <~
-    min(C, N) / (2N) * memcpy. Under NCCL each GPU sends to its neighbour over its own link: the
-    GPU-to-GPU copy bandwidth itself."""
+    min(C, N) / (2N) * memcpy. Under NCCL: 1.0, the GPU-to-GPU copy itself, drawn as a reference
+    rather than a proven ceiling (see memcpy_bandwidth)."""
     import os
 
     import torch
@@ -138,7 +148,9 @@ def collectives(world_sizes=(2, 4), sizes=SIZES, ops=OPS, impls=IMPLS, reps=5,
     bytes take (in the CPU's memory under gloo, GPU to GPU under NCCL), measured on rank 0 while
     the other ranks wait.
     algbw = S / t; busbw = algbw * bus_factor(op, N), the nccl-tests definitions, with S the full
-    tensor (the all-reduce's input, the reduce-scatter's input, the all-gather's output).
+    tensor (the all-reduce's input, the reduce-scatter's input, the all-gather's output); the
+    times are taken as the module docstring says, not as nccl-tests takes them.
+    `segment_bytes`: the ring's segment size (None: zeronb.collectives.SEGMENT_BYTES).
     """
     from tqdm.auto import tqdm
 

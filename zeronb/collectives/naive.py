@@ -27,7 +27,10 @@ def _reduce_to_root(flat: torch.Tensor, root: int) -> None:
 def naive_all_reduce(tensor: torch.Tensor, *, root: int = 0) -> torch.Tensor:
     """In place, through one root: every rank sends its whole tensor to the root, which adds them
     up and sends the sum back to every rank. Correct, but the root sends (N-1)*S bytes and receives
-    as much, while the others sit idle: its link is the bottleneck, and it gets worse with N."""
+    as much, while the others sit idle: its link is the bottleneck, and it gets worse with N.
+    With N = 2 it sends the same bytes as a ring of two, but not the same way: S one way, then S
+    back, each direction of the link idle half the time, where the ring sends S/2 both ways at
+    once, twice."""
     rank, n = world()
     check_same(tensor.numel(), tensor.dtype, tensor.device, "naive_all_reduce")
     flat = tensor.detach().view(-1) if tensor.is_contiguous() else tensor.detach().reshape(-1).clone()

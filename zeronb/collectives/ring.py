@@ -11,10 +11,11 @@ all-gather, N-1 steps: at step s rank r sends chunk (r-s) mod N - its own at ste
     it just received - and stores chunk (r-s-1) mod N. After N-1 steps every rank has every chunk.
 all-reduce = reduce-scatter + all-gather.
 
-Each rank sends N-1 chunks per pass, (N-1)/N of the tensor, whatever N is: 2(N-1)/N*S for an
-all-reduce. The ranks together must send at least 2(N-1)*S, so that is the least the busiest rank
-of any algorithm sends (the bandwidth-optimal bound), and it is why rings scale: the bytes per rank
-do not grow with N (the number of steps, and so the latency, does).
+Each rank sends N-1 chunks per pass, (N-1)/N of the tensor: 2(N-1)/N*S for an all-reduce. When the
+ranks do the adding they must together send at least 2(N-1)*S, so that is the least the busiest
+rank of any algorithm sends (the bandwidth-optimal bound). It is why rings scale in bytes: the bytes
+per rank grow with N but stay bounded, from S at N = 2 towards 2S (1.5 S at 4 ranks, 1.75 S at 8),
+while the number of steps, 2(N-1), and so the latency, grows linearly (chapter 5).
 
 Three details that matter in practice:
 - A step's send and receive are issued together (`batch_isend_irecv`). A rank that first
@@ -26,7 +27,12 @@ Three details that matter in practice:
   starts the moment it is issued, instead of waiting for this rank to get round to it.
 - Chunks are cut into segments, and a segment is forwarded as soon as it has arrived (and been
   added): the addition overlaps the transfer of the next segment, and the next step starts before
-  this one has finished - a pipeline, as NCCL does it.
+  this one has finished - a pipeline, as NCCL does it. A chunk no longer than one segment
+  (`segment_bytes`, SEGMENT_BYTES by default) is one message per step and pipelines nothing. The
+  segment size is a knob: it never changes the bytes, only the messages, 2(N-1) * ceil(chunk /
+  segment) per rank for an all-reduce; smaller segments overlap more and pay a fixed cost for each
+  message. Chapter 5 measures both. NCCL's counterparts are the size of the buffers it stages
+  chunks through (NCCL_BUFFSIZE) and its protocols (NCCL_PROTO: LL, LL128, Simple).
 
 What a step did (for the ledger's trace, chapter 4's pictures) is told to a tracer that the public
 functions hand the pipeline (`_run_ring(..., trace)`); the ledger makes it (zeronb.ledger.ring_tracer:
@@ -209,7 +215,8 @@ def ring_reduce_scatter(tensor: torch.Tensor, *, average: bool = False, group=No
                         segment_bytes: int = SEGMENT_BYTES) -> torch.Tensor:
     """This rank's shard (zeronb.shards.bounds) of the element-wise sum over the ranks of `group`
     (None: all ranks) of `tensor` (of any shape, read flat). `average=True` divides by the number
-    of ranks. `tensor` is not changed."""
+    of ranks. `tensor` is not changed. `segment_bytes`: the largest message; a chunk is sent in
+    pieces of at most this size (the bytes sent do not depend on it, the number of messages does)."""
     check_float(tensor, "ring_reduce_scatter", average)
     rank, n = world(group)
     check_same(tensor.numel(), tensor.dtype, tensor.device, "ring_reduce_scatter", group)
@@ -227,7 +234,7 @@ def ring_reduce_scatter(tensor: torch.Tensor, *, average: bool = False, group=No
 def ring_all_gather(shard: torch.Tensor, numel: int, *, group=None,
                     segment_bytes: int = SEGMENT_BYTES) -> torch.Tensor:
     """The full flat tensor of `numel` elements, from the shards (zeronb.shards.bounds) of every
-    rank of `group` (None: all ranks)."""
+    rank of `group` (None: all ranks). `segment_bytes`: as in ring_reduce_scatter."""
     rank, n = world(group)
     want = shard_numel(numel, n, rank)
     if shard.numel() != want:
@@ -248,7 +255,8 @@ def ring_all_reduce(tensor: torch.Tensor, *, average: bool = False, group=None,
     """In place: `tensor` becomes the element-wise sum (or average) over the ranks of `group`
     (None: all ranks). Returns it.
     A reduce-scatter then an all-gather, run as one pipeline: a segment of this rank's chunk sets
-    off on the all-gather as soon as its sum is complete."""
+    off on the all-gather as soon as its sum is complete. `segment_bytes`: as in
+    ring_reduce_scatter; each rank sends 2(N-1) * ceil(chunk / segment_bytes) messages."""
     check_float(tensor, "ring_all_reduce", average)
     rank, n = world(group)
     check_same(tensor.numel(), tensor.dtype, tensor.device, "ring_all_reduce", group)
