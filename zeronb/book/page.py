@@ -66,7 +66,8 @@ def calculator_html(num_params="7.5B", world_size: int = 64, stage: int = 3, pre
     ]
     rows = "".join(f"<div><label {label}>{name}</label>{field}</div>" for name, field in fields)
     script = (pathlib.Path(__file__).with_name("calculator.js")).read_text()
-    return (f'<div class="zeronb-calculator" data-zeronb-calc-root id="zeronb-calc-{next(_ids)}">'
+    return (f'<div class="zeronb-calculator" data-zeronb-calc-root id="zeronb-calc-{next(_ids)}" '
+            'style="text-align:left;display:inline-block">'
             f'<script type="application/json">{json.dumps(data)}</script>{rows}'
             '<p><b data-zeronb-calc="result"></b></p><p data-zeronb-calc="error" style="color:#b00"></p>'
             '<div data-zeronb-calc="chart"></div>'
