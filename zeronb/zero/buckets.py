@@ -103,8 +103,10 @@ class Bucket:
 
     def all_gather(self, shard: torch.Tensor, group=None, async_op: bool = False):
         """The full parameters from every rank's `shard` over `group`, into `data` (the parameters'
-        views see them). Written through .data: autograd must not see it as an in-place change of a
-        tensor it saved (ZeRO-3 gathers between forward and backward). With `async_op`, its work."""
+        views see them). Into the flat buffer, which autograd never saw: each parameter is a view with a
+        version counter of its own (`p.data = ...`), so backward reads the gathered values without
+        calling them an in-place change (ZeRO-3 gathers between forward and backward). With
+        `async_op`, its work."""
         return all_gather_single(self.data.data, shard, group=group, async_op=async_op)
 
     def fill_chunk(self, rank: int, values: torch.Tensor) -> None:

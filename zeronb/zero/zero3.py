@@ -12,13 +12,16 @@ A unit's full parameters exist only while it computes:
 - optimizer: on the shards; no all-gather afterwards - the next forward gathers what it needs.
 
 Per step that is two all-gathers and one reduce-scatter of the parameters: 3(N-1)/N * psi elements
-sent per rank, 1.5 times DDP's all-reduce. (The last unit is not freed between its forward and its
+sent per rank per micro-batch, 1.5 times DDP's all-reduce with one micro-batch (with several, ZeRO-3
+gathers for every one, while DDP may reduce once: chapter 12). (The last unit is not freed between its forward and its
 backward, which come right after each other: that saves one all-gather of it.)
 
 `prefetch=True` issues the all-gather of the next unit (in forward order, and in backward order)
 before the current one computes, without waiting for it, so that the transfer overlaps the
-computation, as FSDP does. No all-gather is waited for before its unit needs it: on a GPU it runs
-on NCCL's stream while the unit's kernels run on the compute stream. (The reduce-scatter, as in
+computation. (PyTorch's FSDP overlaps forward gathers without being asked: it issues them from a
+stream of its own. zeronb issues them from the compute stream, so without prefetch nothing
+overlaps.) No all-gather is waited for before its unit needs it: on a GPU it runs on NCCL's stream
+while the unit's kernels run on the compute stream. (The reduce-scatter, as in
 ZeRO-2, is synchronous.)
 
 How the parameters "disappear": each parameter is a view into the unit's flat buffer, and freeing

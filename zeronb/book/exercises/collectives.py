@@ -127,4 +127,4 @@ def check_zero3_bytes(fn, world_size: int = 4) -> Verdict:
     problems = [] if got == measured else [
         f"your formula gives {got} bytes; the ledger counted {measured} "
         f"({report.sent_bytes_per_step}) on {world_size} ranks with units of {units} elements"]
-    return Verdict("ZeRO-3 bytes per step", problems, ["checked against a measured step of zeronb's ZeRO-3"])
+    return Verdict("ZeRO-3 bytes per step", problems, ["checked against the ledger's credits for a real step of zeronb's ZeRO-3"])
