@@ -194,28 +194,48 @@ def test_bucketed_ddp_checker():
     assert "should return a function (finish)" in str(v)
 
 
-def zero2_hooks(add=True, free=True):
+def zero2_hooks(add=True, free="each", wait=True, send="each"):
+    """ZeRO-2's hooks, right by default. The wrong ones, one per property the checker names: the shards
+    (add=False: each reduce-scatter overwrites the shard), the calls (wait=False: a bucket is sent
+    whenever one of its gradients lands), the memory (free=None: never freed; free="at the end": every
+    bucket reduce-scattered in time, but the full gradients freed only once the last is done;
+    send="at the end": every bucket sent and freed, but only once the last is complete)."""
     def my_zero2_hooks(buckets, grad_shards):
         from zeronb.runtime.compat import reduce_scatter_single
 
         pending = [set(b.params) for b in buckets]
         owner = {p: i for i, b in enumerate(buckets) for p in b.params}
+        done = set()
 
-        def ready(p):
-            i = owner[p]
-            pending[i].discard(p)
-            if pending[i]:
-                return
+        def send_bucket(i):
             out = torch.empty_like(grad_shards[i])
             reduce_scatter_single(out, buckets[i].flatten_grads())
             if add:
                 grad_shards[i] += out
             else:
                 grad_shards[i].copy_(out)
-            if free:
+            if free == "each":
                 for q in buckets[i].params:
                     q.grad = None
+
+        def ready(p):
+            i = owner[p]
+            pending[i].discard(p)
+            if pending[i] and wait:
+                return
             pending[i] = set(buckets[i].params)
+            done.add(i)
+            if send == "each":
+                send_bucket(i)
+            elif len(done) == len(buckets):
+                for j in range(len(buckets)):
+                    send_bucket(j)
+            if len(done) == len(buckets):
+                if free == "at the end":
+                    for b in buckets:
+                        for q in b.params:
+                            q.grad = None
+                done.clear()
 
         for b in buckets:
             for p in b.params:
@@ -226,10 +246,30 @@ def zero2_hooks(add=True, free=True):
 def test_zero2_hooks_checker():
     v = exercises.check_zero2_hooks(zero2_hooks())
     assert v.ok, str(v)
+    # shards: the second backward must add to the first
     v = exercises.check_zero2_hooks(zero2_hooks(add=False))
     assert not v.ok and "holds the last backward's sum only: add each reduce-scatter" in str(v), str(v)
-    v = exercises.check_zero2_hooks(zero2_hooks(free=False))
+    # calls: sent before the bucket is complete (the shards come out right: the pieces add up)
+    v = exercises.check_zero2_hooks(zero2_hooks(wait=False))
+    assert not v.ok and "16 reduce-scatter calls in two backwards of 4 buckets: more than one per bucket" in str(v), str(v)
+    assert not any("shard" in p or "alive" in p for p in v.problems), str(v)
+    # memory: never freed
+    v = exercises.check_zero2_hooks(zero2_hooks(free=None))
     assert not v.ok and "full gradients are still held" in str(v), str(v)
+    # memory: every bucket reduce-scattered in its hook, all the full gradients freed at the end of
+    # backward only (ZeRO-1's peak); nothing is left after backward, so only the weighing at each
+    # bucket's completion sees it
+    v = exercises.check_zero2_hooks(zero2_hooks(free="at the end"))
+    assert not v.ok, str(v)
+    assert ("when bucket layer0 was complete, the full gradients of bucket(s) layer3, layer2, layer1, complete before "
+            "it, were still alive: 91776 bytes of full gradients at once, all of them (91776), ZeRO-1's peak. Free a "
+            "bucket's gradients (p.grad = None) right after its reduce-scatter") in str(v), str(v)
+    assert not any("calls" in p or "shard" in p for p in v.problems), str(v)
+    # memory: every bucket sent and freed, but only once the last one is complete (ZeRO-1's pattern)
+    v = exercises.check_zero2_hooks(zero2_hooks(send="at the end"))
+    assert not v.ok and ("complete before it, were still alive, not yet reduce-scattered: 91776 bytes of full "
+                         "gradients at once, all of them (91776), ZeRO-1's peak. Reduce-scatter each bucket from "
+                         "its hook as soon as its last gradient lands") in str(v), str(v)
 
 
 def zero3_unit(free_after_forward=True, average=False):

@@ -7,7 +7,8 @@ rank r keeps the sum of its chunk of it - and the bucket's full gradients are dr
 backward goes on with earlier layers: this reduce-scatter is synchronous, so backward waits for
 it (DDP's all-reduces, chapter 7, are not; an asynchronous one would hold each bucket until it
 has arrived). After backward a rank holds only its gradient shard; at most one bucket of full
-gradients, and the one being filled, ever existed at once.
+gradients, and the one being filled, ever existed at once - besides the reduce-scatter's own
+buffers (its receive buffer, and on gloo a copy of its input: 1.25 buckets, chapter 9).
 
 The optimizer step is ZeRO-1's: the optimizer on the owned shards, then an all-gather of the
 parameters. Communication: the same reduce-scatter and all-gather volume as ZeRO-1 and DDP - a
@@ -28,7 +29,8 @@ class ZeRO2(FlatStage):
     def __init__(self, model, config=None, observers=(), bucket_bytes: int = 64 << 10,
                  grad_shard_dtype: torch.dtype | None = None):
         """`grad_shard_dtype`: keep the reduced gradient shard in another dtype than the
-        parameters' (torch.float32 in bf16-mixed: the recipe behind "2N + 16N/M", chapter 6)."""
+        parameters' (torch.float32 in bf16-mixed: the recipe behind a note's "2N + 16N/M", with N parameters and M
+        ranks, 2psi + 16psi/N here; chapter 6)."""
         super().__init__(model, config, observers)
         self.buckets = make_buckets(list(model.parameters()), self.num_shards, bucket_bytes)
         for b in self.buckets:

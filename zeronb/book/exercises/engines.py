@@ -16,7 +16,8 @@ from .checking import Verdict, _compare, _inputs, _pool, _run
 
 # Each runs the learner's code on every rank inside training steps of the small MLP (float64), beside
 # a plain copy of the model whose gradients are all-reduced the obvious way: the reference. The
-# checker's own hooks, registered after the learner's, watch *when* things happen.
+# checker's own hooks, registered after the learner's, watch *when* things happen (ZeRO-2's weighs
+# memory from tensor hooks instead, which run before any post-accumulate-grad hook: see there).
 
 def _mlp_and_reference(steps: int = 2):
     """Inside a rank: the MLP, a plain copy of it, and for each step this rank's batch and the
@@ -147,31 +148,66 @@ def _try_zero2_hooks(fn):
     buckets = [Bucket(list(layer.parameters()), n, f"layer{len(model.layers) - 1 - i}")
                for i, layer in enumerate(reversed(model.layers))]
     grad_shards = [torch.zeros(b.chunk_numel, dtype=torch.float64, device=b.data.device) for b in buckets]
+    # The memory is weighed where its peak is: at the gradient that completes a bucket, before any
+    # hook can free anything. A tensor hook on a parameter runs when its gradient has been computed,
+    # before autograd accumulates it into .grad and so before every post-accumulate-grad hook,
+    # whenever those were registered; when it runs, every hook of the gradients before it has
+    # finished. So at each bucket's completion it sees the full gradients still alive, and this one.
+    bucket_of = {p: i for i, b in enumerate(buckets) for p in b.params}
+    landed, completions = [set() for _ in buckets], []
+
+    def weigh(p):
+        def at_landing(grad):
+            i = bucket_of[p]
+            landed[i].add(p)
+            if len(landed[i]) < len(buckets[i].params):
+                return
+            earlier = [j for j, b in enumerate(buckets) if j != i and len(landed[j]) == len(b.params)]
+            alive = tensor_bytes([q.grad for q in model.parameters()]) + (grad.numel() * grad.element_size()
+                                                                           if p.grad is None else 0)
+            stale = [buckets[j].name for j in earlier if any(q.grad is not None for q in buckets[j].params)]
+            completions.append({"bucket": buckets[i].name, "alive": alive, "stale": stale, "earlier": len(earlier),
+                                "sent": ledger.calls.get("reduce_scatter", 0) - calls_before[0]})
+        return at_landing
+
+    for p in model.parameters():
+        p.register_hook(weigh(p))
     _, err = _call_learner("my_zero2_hooks(buckets, grad_shards)", fn, buckets, grad_shards)
     if err:
         return [err]
-    peak, full_bytes = [0], sum(p.numel() * 8 for p in model.parameters())
-
-    def watch(p):  # after the learner's hook: how much full gradient is alive now
-        peak[0] = max(peak[0], tensor_bytes([q.grad for q in model.parameters()]))
-
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(watch)
-    problems = []
+    full_bytes = sum(p.numel() * 8 for p in model.parameters())
+    problems, calls_before = [], [0]
     with CommLedger() as ledger:
-        for x, y in batches:  # two backwards, no step between: the shards must add up (accumulation)
-            model.loss(model(x), y).backward()
+        for k, (x, y) in enumerate(batches):  # two backwards, no step between: the shards must add up (accumulation)
+            landed = [set() for _ in buckets]
+            calls_before[0] = ledger.calls.get("reduce_scatter", 0)
+            _, err = _call_learner("backward (your hooks)", lambda: model.loss(model(x), y).backward())
+            if err:
+                return [f"backward {k + 1}: {err}"]
     calls = ledger.calls.get("reduce_scatter", 0)
     if calls != 2 * len(buckets):
-        problems.append(f"{calls} reduce-scatter calls in two backwards of {len(buckets)} buckets: one per bucket "
-                        "per backward, from its hook (reduce_scatter_single of the flat, padded gradients)")
+        hint = ("more than one per bucket: was a bucket sent before all its gradients had landed? Count the "
+                "gradients it still waits for, and send it when the last one lands" if calls > 2 * len(buckets) else
+                "one per bucket per backward, from its hook (reduce_scatter_single of the flat, padded gradients)"
+                + ("; in the second backward too: reset what each bucket waits for once it is sent"
+                   if calls == len(buckets) else ""))
+        problems.append(f"{calls} reduce-scatter calls in two backwards of {len(buckets)} buckets: {hint}")
     held = [names[p] for p in model.parameters() if p.grad is not None]
+    worst = max(completions, key=lambda c: (bool(c["stale"]), c["alive"]), default=None)
     if held:
         problems.append(f"after backward {len(held)} full gradients are still held ({', '.join(held[:3])}...): "
                         "set p.grad = None for a bucket's parameters once it is reduce-scattered")
-    elif peak[0] >= full_bytes:
-        problems.append(f"at its peak, {peak[0]} bytes of full gradients were alive: all of them ({full_bytes}); "
-                        "free each bucket's as soon as it is reduce-scattered")
+    elif worst is not None and worst["stale"]:
+        late = worst["sent"] < worst["earlier"]  # fewer reduce-scatters so far than buckets complete before it
+        problems.append(
+            f"when bucket {worst['bucket']} was complete, the full gradients of bucket(s) {', '.join(worst['stale'])}, "
+            f"complete before it, were still alive{', not yet reduce-scattered' if late else ''}: "
+            f"{worst['alive']} bytes of full gradients at once, "
+            + (f"all of them ({full_bytes}), ZeRO-1's peak. " if worst["alive"] >= full_bytes else
+               f"{worst['alive'] / full_bytes:.0%} of all of them ({full_bytes}), where one bucket's would do. ")
+            + ("Reduce-scatter each bucket from its hook as soon as its last gradient lands" if late else
+               "Free a bucket's gradients (p.grad = None) right after its reduce-scatter, not when backward ends"))
+
     def chunk_of_sum(b, refs):  # chunk `rank` of bucket b's flat gradient, summed over ranks and `refs`
         flat = torch.zeros(b.padded, dtype=torch.float64, device=b.data.device)
         flat[:b.numel] = sum(torch.cat([ref[names[p]].reshape(-1) for p in b.params]) for ref in refs) * n
@@ -198,9 +234,13 @@ def check_zero2_hooks(fn, world_size: int = 4) -> Verdict:
     zeronb.zero.buckets.Bucket objects (one layer each, last layer first: `.params`,
     `.flatten_grads()`, `.chunk_numel`); `grad_shards[i]` is this rank's gradient shard of bucket
     i. When all of a bucket's gradients exist: reduce-scatter them (summed), *add* the result into
-    grad_shards[i], and free the full gradients. Checked over two backwards (accumulation)."""
+    grad_shards[i], and free the full gradients. Checked over two backwards (accumulation): the
+    shards, one reduce-scatter per bucket, no full gradient left after backward, and, weighed as
+    each bucket's last gradient lands (before any hook runs), no full gradient of a bucket
+    completed earlier still alive: the peak is one bucket, not ZeRO-1's all of them."""
     return _verdict_from_ranks("ZeRO-2 reduce-scatter hooks", _try_zero2_hooks, fn, world_size,
-                               "two backwards of the MLP in float64: shards, calls, memory")
+                               "two backwards of the MLP in float64: shards, calls, and the full gradients "
+                               "alive as each bucket completes")
 
 
 def _try_zero3_unit(fn):
