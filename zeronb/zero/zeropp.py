@@ -17,9 +17,10 @@ quarter of float32's bytes (an eighth of float64's), plus the scales; the forwar
 with weights off by at most half a quantization step per block. The backward gathers the exact
 weights (or, with hpZ, the secondary copy of what the forward used).
 
-qgZ, ZeRO++'s quantized hierarchical all-to-all for gradients, is not built: DeepSpeed's own needs a
-node size taken from the GPUs of a real node (`device_count()`) and INT4 kernels; the gradients here
-go through ZeRO-3's reduce-scatter unchanged.
+qgZ, ZeRO++'s quantized hierarchical all-to-all for gradients, is not built: DeepSpeed's own runs
+compiled INT4 kernels (its node size, `device_count()`, could be set: LOCAL_SIZE on its CPU
+accelerator, CUDA_VISIBLE_DEVICES on a GPU box); the gradients here go through ZeRO-3's
+reduce-scatter unchanged.
 """
 from __future__ import annotations
 
