@@ -73,8 +73,8 @@ KNOBS = {  # the chapters' setting: (RunConfig changes, FSDP2's counterpart)
     "gradient accumulation (ch. 12)": (dict(grad_accum=2), "set_requires_gradient_sync(False) between"),
     "gradient clipping (ch. 12)": (dict(clip_norm=1.0), "torch.nn.utils.clip_grad_norm_ (on DTensors)"),
     "reduce in bf16 (ch. 12)": (dict(reduce_dtype="bf16"), "MixedPrecisionPolicy(reduce_dtype=bf16)"),
-    "prefetch the next unit (ch. 11)": (dict(stage=3, prefetch=True), "implicit forward prefetch; "
-                                        "set_modules_to_forward_prefetch"),
+    "prefetch the next unit (ch. 11)": (dict(stage=3, prefetch=True), "implicit forward prefetch, backward "
+                                        "prefetch on by default; set_modules_to_forward_prefetch"),
     "keep parameters from forward to backward (ch. 10)": (dict(stage=3, reshard_after_forward=False),
                                                           "fully_shard(reshard_after_forward=False)"),
     "hpZ: a second copy within the node (ch. 13)": (dict(stage=3, hpz=True, nodes=2),
