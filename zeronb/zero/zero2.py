@@ -8,7 +8,8 @@ backward goes on with earlier layers: this reduce-scatter is synchronous, so bac
 it (DDP's all-reduces, chapter 7, are not; an asynchronous one would hold each bucket until it
 has arrived). After backward a rank holds only its gradient shard; at most one bucket of full
 gradients, and the one being filled, ever existed at once - besides the reduce-scatter's own
-buffers (its receive buffer, and on gloo a copy of its input: 1.25 buckets, chapter 9).
+buffers (its receive buffer and, on gloo, a copy of its input: 1.25 buckets from PyTorch's
+allocator, and gloo's ring scratch besides, 1/N of a bucket: chapter 9).
 
 The optimizer step is ZeRO-1's: the optimizer on the owned shards, then an all-gather of the
 parameters. Communication: the same reduce-scatter and all-gather volume as ZeRO-1 and DDP - a
