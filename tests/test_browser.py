@@ -56,11 +56,16 @@ def pages(site):
 
             page.route("**/*", route)
             page.goto(f"{site}/{f}.html", wait_until="load")
-            page.wait_for_timeout(1500)  # MathJax and the widget manager render after load
+            page.wait_for_timeout(1500)  # MathJax and the page's scripts render after load
+            page.evaluate("() => window.MathJax && MathJax.startup ? MathJax.startup.promise.then(() => true) : true")
             info = page.evaluate("""() => ({
                 math_source: document.querySelectorAll('.math, span.math, div.math').length,
                 math_typeset: document.querySelectorAll('mjx-container').length,
-                raw_tex: /\\$\\$|\\\\\\(|\\\\\\[/.test(document.querySelector('main')?.innerText || ''),
+                // TeX delimiters left in the prose (code listings may hold them, regular expressions say)
+                raw_tex: (() => { const main = document.querySelector('main'); if (!main) return false;
+                                  const prose = main.cloneNode(true);
+                                  prose.querySelectorAll('pre, code, mjx-container, script, style').forEach(e => e.remove());
+                                  return /\\$\\$|\\\\\\(|\\\\\\[/.test(prose.textContent); })(),
                 widgets: document.querySelectorAll('.jupyter-widgets, .widget-slider, .widget-image').length,
                 widget_views: document.querySelectorAll('script[type="application/vnd.jupyter.widget-view+json"]').length,
                 calculators: document.querySelectorAll('[data-zeronb-calc-root]').length,
