@@ -173,6 +173,27 @@ def test_ledger_bytes_are_exact(gloo_pool, n):
         assert got["naive_all_reduce"] == {"naive_all_reduce": (n - 1) * S if rank == 0 else S}
 
 
+
+def _ledger_elements():
+    from zeronb.runtime.compat import all_gather_single, reduce_scatter_single
+    from zeronb.ledger import CommLedger
+
+    n = dist.get_world_size()
+    with CommLedger() as ledger:
+        dist.all_reduce(torch.ones(1, dtype=torch.float64))  # one number, as a gradient norm
+        all_gather_single(torch.empty(6 * n), torch.ones(6))
+        reduce_scatter_single(torch.empty(5), torch.ones(5 * n))
+    return dict(ledger.by_op), dict(ledger.elements)
+
+
+def test_ledger_counts_the_elements_a_credit_cannot_tell_apart(gloo_pool):
+    # A ring pads one element to N chunks: its credit is the same for 1 to N elements, its element count is not
+    n = 4
+    for credited, elements in gloo_pool(n).run(_ledger_elements, echo=False):
+        assert credited["all_reduce"] == 2 * (n - 1) * 8 and elements["all_reduce"] == 1
+        assert elements == {"all_reduce": 1, "all_gather": 6 * n, "reduce_scatter": 5 * n}, elements
+
+
 def _bad_inputs():
     from zeronb import collectives as C
 

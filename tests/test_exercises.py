@@ -262,13 +262,13 @@ def test_zero2_hooks_checker():
     v = exercises.check_zero2_hooks(zero2_hooks(free="at the end"))
     assert not v.ok, str(v)
     assert ("when bucket layer0 was complete, the full gradients of bucket(s) layer3, layer2, layer1, complete before "
-            "it, were still alive: 91776 bytes of full gradients at once, all of them (91776), ZeRO-1's peak. Free a "
+            "it, were still alive: 91776 bytes of full gradients at once, all of them (91776), ZeRO-1's full gradient buffer. Free a "
             "bucket's gradients (p.grad = None) right after its reduce-scatter") in str(v), str(v)
     assert not any("calls" in p or "shard" in p for p in v.problems), str(v)
     # memory: every bucket sent and freed, but only once the last one is complete (ZeRO-1's pattern)
     v = exercises.check_zero2_hooks(zero2_hooks(send="at the end"))
     assert not v.ok and ("complete before it, were still alive, not yet reduce-scattered: 91776 bytes of full "
-                         "gradients at once, all of them (91776), ZeRO-1's peak. Reduce-scatter each bucket from "
+                         "gradients at once, all of them (91776), ZeRO-1's full gradient buffer. Reduce-scatter each bucket from "
                          "its hook as soon as its last gradient lands") in str(v), str(v)
 
 

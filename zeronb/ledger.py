@@ -5,6 +5,7 @@ the trace of each ring step.
         dist.all_reduce(t)
         ring_all_reduce(u)
     ledger.bytes_sent, ledger.by_op       # logical: {"all_reduce": ..., "ring_all_reduce": ...}
+    ledger.calls, ledger.elements         # per op: how many calls, how many elements they were handed
     ledger.wire_bytes                     # what this rank's gloo connections really sent (TCP_INFO)
     ledger.events                         # one event per ring step (send and receive sides)
 
@@ -51,6 +52,12 @@ def _nbytes(tensors) -> int:
     if isinstance(tensors, torch.Tensor):
         return tensors.numel() * tensors.element_size()
     return sum(_nbytes(t) for t in tensors)
+
+
+def _numel(tensors) -> int:
+    if isinstance(tensors, torch.Tensor):
+        return tensors.numel()
+    return sum(_numel(t) for t in tensors)
 
 
 def _first_tensor(tensors):
@@ -138,6 +145,7 @@ class CommLedger(TorchDispatchMode):
         super().__init__()
         self.by_op: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
+        self.elements: dict[str, int] = defaultdict(int)  # handed to each call (a collective's full size)
         self.events: list[dict] = []
         self._wire = WireMeter() if wire else None
 
@@ -178,17 +186,18 @@ class CommLedger(TorchDispatchMode):
     def _count(self, opname: str, args) -> None:
         scope = _scope.get()
         if opname == "send":
-            name, nbytes = scope or "send", _nbytes(args[0])
+            name, nbytes, numel = scope or "send", _nbytes(args[0]), _numel(args[0])
         elif opname in _COLLECTIVES:
             name, full = _COLLECTIVES[opname]
             t = full(args)
             elem = _first_tensor(t).element_size()
-            nbytes = ring_bytes(name, _nbytes(t), _group_size(args), elem)
+            nbytes, numel = ring_bytes(name, _nbytes(t), _group_size(args), elem), _numel(t)
             name = scope or name
         else:
             return  # receives, barriers, ...: this rank sends nothing (to count)
         self.by_op[name] += nbytes
         self.calls[name] += 1
+        self.elements[name] += numel
 
     def record(self, **event) -> None:
         self.events.append(event)
@@ -196,6 +205,7 @@ class CommLedger(TorchDispatchMode):
     def summary(self) -> dict:
         """Plain data to send back to the notebook."""
         return {"bytes_sent": self.bytes_sent, "by_op": dict(self.by_op), "calls": dict(self.calls),
+                "elements": dict(self.elements),
                 "wire_bytes": self.wire_bytes, "wire_by_node": self.wire_by_node, "events": list(self.events)}
 
 

@@ -44,7 +44,8 @@ def side_by_side(pool, config: RunConfig, impls=IMPLEMENTATIONS, rounds: int = 3
             "held": sum(r0.bytes.values()), "held_by_role": dict(r0.bytes),
             "formula": sum(r0.expected_bytes.values()), "formula_by_role": dict(r0.expected_bytes),
             "wire": r0.wire_bytes_per_step, "credited": dict(r0.sent_bytes_per_step),
-            "calls": dict(r0.calls_per_step), "step_ms": statistics.median(times),
+            "calls": dict(r0.calls_per_step), "elements": dict(r0.elements_per_step or {}),
+            "step_ms": statistics.median(times),
             "step_ms_range": (min(times), max(times)), "num_params": r0.num_params,
         })
     return rows

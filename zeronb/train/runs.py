@@ -228,6 +228,7 @@ class RankReport:
     expected_bytes: dict             # what zeronb.memory's formula says it should
     sent_bytes_per_step: dict        # logical bytes per collective (zeronb.ledger)
     calls_per_step: dict
+    elements_per_step: Optional[dict] = None    # per collective: the elements its calls were handed (zeronb.ledger)
     wire_bytes_per_step: Optional[int] = None   # what the OS counted on gloo's connections (None: NCCL, not Linux)
     wire_within_node: Optional[int] = None      # on several nodes: those bytes, to ranks on this rank's node
     wire_across_nodes: Optional[int] = None     # and to ranks on other nodes

@@ -203,8 +203,9 @@ class StepMemory:
 class PhaseTraffic:
     """The bytes each phase of the step sent: forward, backward (to the end of the last
     micro-batch's backward, the stage's own end-of-backward communication included) and the
-    optimizer step. `phases`: {phase: {"sent": {op: bytes}, "calls": {op: count}, "wire": bytes or
-    None}} - a zeronb.ledger.CommLedger per phase, counting on the wire too with `wire`."""
+    optimizer step. `phases`: {phase: {"sent": {op: bytes}, "calls": {op: count}, "elements": {op: count},
+    "wire": bytes or None}} - a zeronb.ledger.CommLedger per phase, counting on the wire too with `wire`
+    ("elements": of the tensors the calls were handed, full size: what a credit alone cannot tell apart)."""
 
     def __init__(self, wire: bool = False):
         self.wire, self.phases = wire, {}
@@ -217,10 +218,12 @@ class PhaseTraffic:
 
     def _end(self):
         self._open.close()
-        entry = self.phases.setdefault(self._phase, {"sent": {}, "calls": {}, "wire": 0 if self.wire else None})
+        entry = self.phases.setdefault(self._phase, {"sent": {}, "calls": {}, "elements": {},
+                                                      "wire": 0 if self.wire else None})
         for op, nbytes in self._ledger.by_op.items():
             entry["sent"][op] = entry["sent"].get(op, 0) + nbytes
             entry["calls"][op] = entry["calls"].get(op, 0) + self._ledger.calls[op]
+            entry["elements"][op] = entry["elements"].get(op, 0) + self._ledger.elements[op]
         if self.wire:
             entry["wire"] += self._ledger.wire_bytes
 

@@ -203,7 +203,7 @@ def _try_zero2_hooks(fn):
             f"when bucket {worst['bucket']} was complete, the full gradients of bucket(s) {', '.join(worst['stale'])}, "
             f"complete before it, were still alive{', not yet reduce-scattered' if late else ''}: "
             f"{worst['alive']} bytes of full gradients at once, "
-            + (f"all of them ({full_bytes}), ZeRO-1's peak. " if worst["alive"] >= full_bytes else
+            + (f"all of them ({full_bytes}), ZeRO-1's full gradient buffer. " if worst["alive"] >= full_bytes else
                f"{worst['alive'] / full_bytes:.0%} of all of them ({full_bytes}), where one bucket's would do. ")
             + ("Reduce-scatter each bucket from its hook as soon as its last gradient lands" if late else
                "Free a bucket's gradients (p.grad = None) right after its reduce-scatter, not when backward ends"))
