@@ -1,9 +1,12 @@
-"""Where training memory goes: the ZeRO paper's formulas, and measuring what a rank really holds.
+"""Where training memory goes: the ZeRO paper's formulas, and measuring the tensors a rank keeps.
 
-Model states, per parameter (Rajbhandari et al. 2020, section 3.1): mixed-precision Adam keeps
-2 bytes of bf16/fp16 parameters, 2 bytes of gradients, and K = 12 bytes of optimizer state (an fp32
-master copy of the parameters, Adam's momentum and variance): 16 bytes for every parameter, on every
-data-parallel rank. The ZeRO stages divide parts of it by the number of ranks N (their N_d):
+Model states, per parameter (Rajbhandari et al. 2020, section 3.1): in the paper's mixed-precision
+recipe (zeronb's bf16-mixed), Adam keeps 2 bytes of bf16/fp16 parameters, 2 bytes of gradients, and
+K = 12 bytes of optimizer state (an fp32 master copy of the parameters, Adam's momentum and variance,
+the uncentred second moment the paper calls the variance): 16 bytes for every parameter, on every
+data-parallel rank. (torch.autocast and FSDP2's MixedPrecisionPolicy split the same 16 as 4 + 4 + 8:
+fp32 parameters and gradients, no separate master.) The ZeRO stages divide parts of it by the
+number of ranks N (their N_d):
 
     stage 0 (DDP)   (2 + 2 + K) * psi
     stage 1         (2 + 2) * psi + K * psi / N                optimizer states sharded

@@ -6,6 +6,7 @@ the notebooks and the tests call these names. This module imports nothing from z
 """
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
@@ -112,3 +113,26 @@ def after_new_group(callback) -> None:
         c10d._new_process_group_helper = helper
     if callback not in helper.callbacks:
         helper.callbacks.append(callback)
+
+
+def torch_version() -> tuple:
+    """The installed torch's (major, minor)."""
+    return tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def expected_avg_outcomes(op: str, backend: str) -> set:
+    """What `op=ReduceOp.AVG` does in `op` ("all_reduce" or "reduce_scatter") on `backend` with this
+    torch: a subset of {"refused", "ignored: a sum", "honoured"} (zeronb never asks for AVG: chapter 8).
+    NCCL averages. gloo's all-reduce gained AVG in pytorch#149781 (merged March 2025: torch 2.8 has it,
+    2.7 may) and refuses it before. gloo's reduce-scatter runs an all-reduce of a copy of its input and
+    did not hand it the op until pytorch#171458 (merged 2025-12-29: torch 2.11 has it, 2.10 may):
+    before, it accepts AVG and sums (pytorch#162338)."""
+    version = torch_version()
+    if backend == "nccl":
+        return {"honoured"}
+    if backend != "gloo" or op not in ("all_reduce", "reduce_scatter"):
+        return {"refused", "ignored: a sum", "honoured"}
+    before, fixed_in = {"all_reduce": ("refused", (2, 8)), "reduce_scatter": ("ignored: a sum", (2, 11))}[op]
+    if version >= fixed_in:
+        return {"honoured"}
+    return {before, "honoured"} if version == (fixed_in[0], fixed_in[1] - 1) else {before}

@@ -5,10 +5,15 @@ the other ranks'. All-reducing them and dividing by N gives every rank the gradi
 batch; then every rank takes the same optimizer step on the same full state, and the replicas stay
 identical.
 
-`NaiveDDP` does exactly that after backward, one all-reduce per parameter. `DDP` is what PyTorch's
-DistributedDataParallel does (Li et al. 2020): parameters are grouped into buckets, gradients are
-views into one flat buffer per bucket, and a bucket is all-reduced - asynchronously - as soon as
-backward has produced all of its gradients, while backward goes on with earlier layers.
+`NaiveDDP` does exactly that after backward, one all-reduce per parameter. `DDP` follows PyTorch's
+DistributedDataParallel (Li et al. 2020): parameters are grouped into buckets, and a bucket is
+all-reduced - asynchronously - as soon as backward has produced all of its gradients, while
+backward goes on with earlier layers. Here the gradients are views into one flat buffer per bucket,
+as in PyTorch's DDP with `gradient_as_bucket_view=True`; by default PyTorch's DDP keeps each `.grad`
+apart and copies it into its bucket, a second copy of the gradients (chapter 12 measures both).
+Two more differences: `DDP` launches whichever bucket completes, where PyTorch's reducer launches
+them in index order, and it pads each bucket to a multiple of N (chapter 2's rule), which PyTorch's
+DDP does not.
 """
 from __future__ import annotations
 

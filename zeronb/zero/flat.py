@@ -56,11 +56,14 @@ class FlatStage(FlatSaving, Stage):
 
     def divided_(self, grads: torch.Tensor) -> torch.Tensor:
         """In place, just before gradients leave for their first collective: divided by the number
-        of ranks whose gradients are averaged (shards x replicas), as PyTorch's DDP and FSDP do.
+        of ranks whose gradients are averaged (shards x replicas), before the sum as PyTorch's
+        DDP (which scales by 1/N as it copies each gradient into its bucket) and FSDP do.
         Every sum that comes back is then an average, and a sum of many low-precision gradients
         cannot overflow. The one place zeronb's stages divide: by hand, so that every torch version
-        and backend the course supports behaves the same (gloo's ReduceOp.AVG arrived in 2025,
-        pytorch/pytorch#149781: older torch lacks it)."""
+        and backend the course supports behaves the same. gloo's all-reduce gained ReduceOp.AVG only
+        in March 2025 (pytorch/pytorch#149781), and gloo's reduce-scatter, an all-reduce of a copy,
+        did not hand it the op: it accepted AVG and silently summed (pytorch/pytorch#162338, which
+        FSDP2 ran into) until a fix merged in December 2025 (pytorch/pytorch#171458)."""
         return grads.div_(self.data_parallel)
 
     def sum_over_replicas_(self, grads: list) -> list:

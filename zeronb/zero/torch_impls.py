@@ -49,8 +49,10 @@ HPZ_NEEDS = "hpz is stage 3's, and needs a pool on several nodes"
 
 
 def _allreduce_hook(state, bucket):
-    """DDP's default communication (torch.distributed.algorithms.ddp_comm_hooks.default_hooks:
-    divide by N, all-reduce the sum), from Python so that the ledger counts it; in the reduce dtype
+    """DDP's communication as its Python default hook does it (default_hooks.allreduce_hook in
+    torch.distributed.algorithms.ddp_comm_hooks: divide by N, all-reduce the sum; with no hook
+    registered, DDP's C++ reducer instead scales by 1/N while copying each gradient into its bucket,
+    the same bits for N a power of two), from Python so that the ledger counts it; in the reduce dtype
     of `state` (reduce_dtype, group) if one is given, as its bf16_compress_hook does."""
     reduce_dtype, group = state
     buf = bucket.buffer()
