@@ -6,6 +6,7 @@ the trace of each ring step.
         ring_all_reduce(u)
     ledger.bytes_sent, ledger.by_op       # logical: {"all_reduce": ..., "ring_all_reduce": ...}
     ledger.calls, ledger.elements         # per op: how many calls, how many elements they were handed
+    ledger.sent_to, ledger.received_from  # point-to-point: bytes per peer (its rank in the op's group)
     ledger.wire_bytes                     # what this rank's gloo connections really sent (TCP_INFO)
     ledger.events                         # one event per ring step (send and receive sides)
 
@@ -147,6 +148,8 @@ class CommLedger(TorchDispatchMode):
         self.calls: dict[str, int] = defaultdict(int)
         self.elements: dict[str, int] = defaultdict(int)  # handed to each call (a collective's full size)
         self.events: list[dict] = []
+        self.sent_to: dict[int, int] = defaultdict(int)        # point-to-point bytes by peer, as the
+        self.received_from: dict[int, int] = defaultdict(int)  # op names it (a rank of the op's group)
         self._wire = WireMeter() if wire else None
 
     @property
@@ -185,6 +188,9 @@ class CommLedger(TorchDispatchMode):
 
     def _count(self, opname: str, args) -> None:
         scope = _scope.get()
+        if opname in ("send", "recv_"):  # (tensors, group, peer, tag)
+            peers = self.sent_to if opname == "send" else self.received_from
+            peers[args[2]] += _nbytes(args[0])
         if opname == "send":
             name, nbytes, numel = scope or "send", _nbytes(args[0]), _numel(args[0])
         elif opname in _COLLECTIVES:
@@ -205,7 +211,8 @@ class CommLedger(TorchDispatchMode):
     def summary(self) -> dict:
         """Plain data to send back to the notebook."""
         return {"bytes_sent": self.bytes_sent, "by_op": dict(self.by_op), "calls": dict(self.calls),
-                "elements": dict(self.elements),
+                "elements": dict(self.elements), "sent_to": dict(self.sent_to),
+                "received_from": dict(self.received_from),
                 "wire_bytes": self.wire_bytes, "wire_by_node": self.wire_by_node, "events": list(self.events)}
 
 

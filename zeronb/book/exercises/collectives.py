@@ -1,9 +1,12 @@
 """Checkers for the exercises on collectives and their bytes: all-reduce from reduce-scatter and
 all-gather (chapter 3), the ring all-gather (chapter 4), the ZeRO-1 step (chapter 8) and ZeRO-3's
-bytes per step (chapter 10)."""
+bytes per step (chapter 10). Each grades the method its exercise asks for: the collectives a rank
+called and how often (the ledger), the peers of its sends, what it handed to the all-gather; and
+on a second world size where a hard-coded N would go unseen."""
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...ledger import CommLedger
 from ...models import Config, make_model
@@ -11,34 +14,80 @@ from ...pool.errors import RankError
 from ...shards import all_bounds, bounds, chunk_bounds, chunk_size
 from ...train.runner import run
 from ...train.runs import RunConfig
-from .checking import Verdict, _compare, _inputs, _pool, _run
+from .checking import Verdict, _inputs, _run, by_rank, collectives_made, each_pool, what_is_wrong
+
+
+class Handed(TorchDispatchMode):
+    """Inside a rank: a copy of what this rank handed to each collective ({op: [tensors]}), to grade
+    *what* was communicated (the updated parameters, or the gradient?), not only how much."""
+
+    OPS = {"_allgather_base_": ("all_gather", 1), "_reduce_scatter_base_": ("reduce_scatter", 1),
+           "allreduce_": ("all_reduce", 0)}
+
+    def __init__(self):
+        super().__init__()
+        self.inputs: dict[str, list] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.partition("::")[2]
+        if func._schema.name.startswith("c10d::") and name in self.OPS:
+            op, i = self.OPS[name]
+            t = args[i][0] if isinstance(args[i], (list, tuple)) else args[i]
+            self.inputs.setdefault(op, []).append(t.detach().clone().cpu())
+        return func(*args, **(kwargs or {}))
+
+
+def _returned(got):
+    return got.detach().cpu() if isinstance(got, torch.Tensor) else got
+
 
 # --- chapter 3: all-reduce from reduce-scatter and all-gather --------------------------------------
 
 def _try_all_reduce(fn, numel, dtype):
     import torch.distributed as dist
 
-    x = _inputs(dist.get_rank(), numel, dtype)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    x = _inputs(rank, numel, dtype)
     want = x.clone()
     dist.all_reduce(want)
-    got = fn(x.clone())
-    return (got.cpu() if isinstance(got, torch.Tensor) else got), want.cpu()
+    with CommLedger() as ledger:
+        got = fn(x.clone())
+    a, b = bounds(numel, n, rank)
+    only_mine = x.clone()
+    only_mine[a:b] = want[a:b]
+    known = [(want / n, "the average where an all-reduce gives the sum: do not divide by N"),
+             (only_mine, "only this rank's own chunk is summed, the rest is its input: all-gather the summed "
+                         "chunks into the whole tensor"),
+             (x, "this rank's own input, unchanged: nothing was summed")]
+    problem = what_is_wrong("the result", _returned(got), want, dtype, all_bounds(numel, n), known)
+    method = collectives_made(dict(ledger.calls), {"reduce_scatter": 1, "all_gather": 1},
+                              "build it from one reduce_scatter_single and one all_gather_single")
+    return [p for p in (method, problem) if p]
 
 
-def check_all_reduce(fn, world_size: int = 4, sizes=(8, 12, 4096), dtype=torch.float32) -> Verdict:
-    """Exercise (chapter 3): `fn(tensor) -> tensor`, the all-reduce (sum) built from
-    reduce_scatter_single and all_gather_single. Sizes divide evenly by the world size."""
-    pool, problems = _pool(world_size), []
-    for numel in sizes:
-        res, err = _run(pool, _try_all_reduce, fn, numel, dtype)
-        if err:
-            return Verdict("all-reduce = reduce-scatter + all-gather", [f"with {numel} elements: {err}"])
-        n = numel // world_size
-        chunks = [(r * n, (r + 1) * n) for r in range(world_size)]
-        for rank, (got, want) in enumerate(res):
-            problems += [f"with {numel} elements, {p}" for p in _compare("the result", rank, got, want, dtype, chunks)]
-    return Verdict("all-reduce = reduce-scatter + all-gather", problems,
-                   [f"checked on {world_size} ranks, sizes {list(sizes)}, against dist.all_reduce"])
+def check_all_reduce(fn, world_size: int = 4, sizes=(12, 4092), dtype=torch.float32, also: int | None = 3) -> Verdict:
+    """Exercise (chapter 3): `fn(tensor) -> tensor`, the all-reduce (sum) built from one
+    reduce_scatter_single and one all_gather_single. Checked on `world_size` ranks and on `also`
+    (sizes divide by both), against dist.all_reduce, with the collectives each rank called."""
+    title = "all-reduce = reduce-scatter + all-gather"
+    problems = []
+    for pool in each_pool(world_size, also):
+        for numel in sizes:
+            res, err = _run(pool, _try_all_reduce, fn, numel, dtype)
+            if err:
+                return Verdict(title, [f"on {pool.world_size} ranks, {numel} elements: {err}"])
+            problems += [f"on {pool.world_size} ranks, {numel} elements, {p}"
+                         for p in by_rank(dict(enumerate(res)), pool.world_size)]
+            if problems:  # (the same mistake again at the next size says nothing new)
+                break
+        if problems:
+            break
+    return Verdict(title, problems, [f"checked on {' and '.join(map(str, _sizes(world_size, also)))} ranks, sizes "
+                                     f"{list(sizes)}, against dist.all_reduce, and the collectives each rank called"])
+
+
+def _sizes(world_size, also):
+    return [world_size] + ([also] if also and also != world_size else [])
 
 
 # --- chapter 4: the ring all-gather from send and receive ------------------------------------------
@@ -46,34 +95,66 @@ def check_all_reduce(fn, world_size: int = 4, sizes=(8, 12, 4096), dtype=torch.f
 def _try_ring_all_gather(fn, numel, dtype):
     import torch.distributed as dist
 
-    rank = dist.get_rank()
+    rank, n = dist.get_rank(), dist.get_world_size()
     full = _inputs(0, numel, dtype)  # the same tensor everywhere: rank r holds its slice of it
-    a, b = bounds(numel, dist.get_world_size(), rank)
+    a, b = bounds(numel, n, rank)
     with CommLedger() as ledger:
         got = fn(full[a:b].clone(), numel)
-    return (got.cpu() if isinstance(got, torch.Tensor) else got), full, ledger.bytes_sent, dict(ledger.by_op)
+    got = _returned(got)
+    chunks = all_bounds(numel, n)
+    problems = []
+    collectives = sorted(op for op in ledger.calls if op != "send")
+    if collectives:
+        problems.append(f"you called {', '.join(collectives)}: write the ring with sends and receives only "
+                        "(dist.P2POp with dist.batch_isend_irecv)")
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    others = sorted(set(ledger.sent_to) - {nxt})
+    if others:
+        problems.append(f"sent to rank(s) {', '.join(map(str, others))}: on a ring each rank sends only to the next "
+                        f"one, (r+1) mod N, and receives only from the previous one")
+    elif ledger.received_from and set(ledger.received_from) != {prv}:
+        problems.append(f"received from rank(s) {', '.join(map(str, sorted(set(ledger.received_from) - {prv})))}: "
+                        "on a ring each rank receives only from the previous one, (r-1) mod N")
+    chunk_bytes = chunk_size(numel, n) * full.element_size()
+    sends, sent = ledger.calls.get("send", 0), ledger.bytes_sent
+    if not collectives and (sends, sent) != (n - 1, (n - 1) * chunk_bytes):
+        problems.append(f"{sends} send(s) of {sent} bytes in all; the ring takes N-1 = {n - 1} steps and sends one "
+                        f"chunk ({chunk_bytes} bytes) at each: {(n - 1) * chunk_bytes} bytes")
+    wrong = what_is_wrong("the result", got, full.cpu(), dtype, chunks)
+    if wrong and isinstance(got, torch.Tensor) and got.shape == full.shape:
+        # a chunk that holds another chunk's values: the wrong one was forwarded or stored
+        for c, (ca, cb) in enumerate(chunks):
+            if torch.equal(got[ca:cb], full[ca:cb].cpu()):
+                continue
+            src = next((d for d, (da, db) in enumerate(chunks) if d != c and torch.equal(got[ca:cb], full[da:db].cpu())),
+                       None)
+            if src is not None:
+                wrong = (f"the result: chunk {c} holds chunk {src}'s values: at step s send chunk (r-s) mod N (what "
+                         "arrived at the step before) and store what arrives as chunk (r-s-1) mod N")
+            break
+    return problems + ([wrong] if wrong else [])
 
 
-def check_ring_all_gather(fn, world_size: int = 4, sizes=(8, 4096), dtype=torch.float32) -> Verdict:
+def check_ring_all_gather(fn, world_size: int = 4, sizes=(12, 4092), dtype=torch.float32, also: int | None = 3) -> Verdict:
     """Exercise (chapter 4): `fn(shard, numel) -> full tensor`, a ring all-gather written with
-    point-to-point sends and receives only: N-1 steps, (N-1)/N of the tensor sent by each rank."""
-    pool, problems = _pool(world_size), []
-    for numel in sizes:
-        res, err = _run(pool, _try_ring_all_gather, fn, numel, dtype)
-        if err:
-            return Verdict("ring all-gather", [f"with {numel} elements: {err}"])
-        chunks = all_bounds(numel, world_size)
-        want_bytes = (world_size - 1) * chunk_size(numel, world_size) * torch.tensor([], dtype=dtype).element_size()
-        for rank, (got, want, sent, by_op) in enumerate(res):
-            problems += [f"with {numel} elements, {p}" for p in _compare("the result", rank, got, want, dtype, chunks)]
-            collectives = sorted(op for op in by_op if op != "send")
-            if collectives:
-                problems.append(f"rank {rank} called {', '.join(collectives)}: write the ring with sends and "
-                                "receives only (dist.isend / dist.irecv / batch_isend_irecv)")
-            elif sent != want_bytes:
-                problems.append(f"with {numel} elements, rank {rank} sent {sent} bytes; a ring sends "
-                                f"(N-1) chunks = {want_bytes} bytes (did you send the whole tensor, or use a collective?)")
-    return Verdict("ring all-gather", problems, [f"checked on {world_size} ranks, sizes {list(sizes)}"])
+    point-to-point sends and receives only: N-1 steps, each rank sending to the next rank and
+    receiving from the previous one, one chunk per step, (N-1)/N of the tensor in all."""
+    title = "ring all-gather"
+    problems = []
+    for pool in each_pool(world_size, also):
+        for numel in sizes:
+            res, err = _run(pool, _try_ring_all_gather, fn, numel, dtype)
+            if err:
+                return Verdict(title, [f"on {pool.world_size} ranks, {numel} elements: {err}"])
+            problems += [f"on {pool.world_size} ranks, {numel} elements, {p}"
+                         for p in by_rank(dict(enumerate(res)), pool.world_size)]
+            if problems:  # (the same mistake again at the next size says nothing new)
+                break
+        if problems:
+            break
+    return Verdict(title, problems, [f"checked on {' and '.join(map(str, _sizes(world_size, also)))} ranks, sizes "
+                                     f"{list(sizes)}: the result, the collectives called, the peer and bytes of "
+                                     "every send"])
 
 
 # --- chapter 8: the ZeRO-1 step --------------------------------------------------------------------
@@ -84,47 +165,120 @@ def _try_zero1_step(fn, numel, lr):
     rank, n = dist.get_rank(), dist.get_world_size()
     params = _inputs(100, numel, torch.float64)           # replicated parameters
     grads = _inputs(rank, numel, torch.float64)           # each rank's own gradient
-    mean = torch.stack([_inputs(r, numel, torch.float64) for r in range(n)]).mean(0)
+    total = torch.stack([_inputs(r, numel, torch.float64) for r in range(n)]).sum(0)
+    mean = total / n
     want = params - lr * mean                             # one SGD step on the averaged gradient
     a, b = chunk_bounds(numel, n, rank)
-    got = fn(params.clone(), grads.clone(), lr)
-    return (got if isinstance(got, torch.Tensor) else got), want, (a, b)
+    with CommLedger() as ledger, Handed() as handed:
+        got = fn(params.clone(), grads.clone(), lr)
+    got = _returned(got)
+    only_mine = params.clone()
+    only_mine[a:b] = want[a:b]
+    known = [(params - lr * total, f"the update is N = {n} times too large: the reduce-scatter sums, divide the "
+                                   "gradients by N"),
+             (params - lr * total / 4, "divided by 4: divide by N = dist.get_world_size(), which is "
+                                       f"{n} here") if n != 4 else (None, ""),
+             (only_mine, "only this rank's own chunk is updated, the rest are the old parameters: all-gather the "
+                         "updated chunks"),
+             (params, "the parameters did not change")]
+    problems = []
+    if "all_reduce" in ledger.calls:
+        problems.append("you all-reduced: ZeRO-1 reduce-scatters the gradients (each rank receives only its chunk), "
+                        "updates that chunk and all-gathers the parameters")
+    else:
+        method = collectives_made(dict(ledger.calls), {"reduce_scatter": 1, "all_gather": 1},
+                                  "one reduce-scatter of the gradients, one all-gather of the updated chunks")
+        if method:
+            problems.append(method)
+    gathered = handed.inputs.get("all_gather", [])
+    if gathered and gathered[0].numel() == b - a:
+        mine = gathered[0].double()
+        if torch.allclose(mine, mean[a:b].cpu(), rtol=1e-9, atol=0) or torch.allclose(mine, total[a:b].cpu(), rtol=1e-9,
+                                                                                        atol=0):
+            problems.append("you all-gathered the gradient: ZeRO-1 updates this rank's chunk of the parameters and "
+                            "all-gathers the updated chunks")
+    wrong = what_is_wrong("the new parameters", got, want, torch.float64, all_bounds(numel, n), known)
+    return problems + ([wrong] if wrong else [])
 
 
-def check_zero1_step(fn, world_size: int = 4, numel: int = 64, lr: float = 0.1) -> Verdict:
+def check_zero1_step(fn, world_size: int = 4, numel: int = 96, lr: float = 0.1, also: int | None = 3) -> Verdict:
     """Exercise (chapter 8): `fn(flat_params, flat_grads, lr) -> new flat_params`, one ZeRO-1 step
     with plain SGD: reduce-scatter the gradients (and average), update this rank's chunk only,
-    all-gather the chunks. `numel` divides evenly by the world size."""
-    pool, problems = _pool(world_size), []
-    res, err = _run(pool, _try_zero1_step, fn, numel, lr)
-    if err:
-        return Verdict("ZeRO-1 step", [err])
-    chunks = [res[r][2] for r in range(world_size)]
-    for rank, (got, want, _) in enumerate(res):
-        problems += _compare("the new parameters", rank, got, want, torch.float64, chunks)
-    if not problems and any(not torch.equal(res[0][0], res[r][0]) for r in range(world_size)):
-        problems.append("the ranks ended with different parameters: did every rank all-gather?")
-    return Verdict("ZeRO-1 step", problems, [f"checked on {world_size} ranks against SGD on the averaged gradient"])
+    all-gather the chunks. `numel` divides evenly by both world sizes. Checked: the new parameters
+    against SGD on the averaged gradient, one reduce-scatter and one all-gather per rank, and what
+    each rank all-gathered (its updated chunk, not a gradient)."""
+    title = "ZeRO-1 step"
+    problems = []
+    for pool in each_pool(world_size, also):
+        res, err = _run(pool, _try_zero1_step, fn, numel, lr)
+        if err:
+            return Verdict(title, [f"on {pool.world_size} ranks: {err}"])
+        problems += [f"on {pool.world_size} ranks, {p}" for p in by_rank(dict(enumerate(res)), pool.world_size)]
+        if problems:
+            break
+    return Verdict(title, problems, [f"checked on {' and '.join(map(str, _sizes(world_size, also)))} ranks against SGD "
+                                     "on the averaged gradient, with the collectives each rank called and what it "
+                                     "all-gathered"])
 
 
 # --- chapter 10: ZeRO-3's traffic --------------------------------------------------------------------
 
-def check_zero3_bytes(fn, world_size: int = 4) -> Verdict:
+def _zero3_step_bytes(pool) -> int:
+    """The bytes rank 0 of zeronb's ZeRO-3 was credited for one step of the GPT on `pool`."""
+    report = run(RunConfig(stage=3, model="gpt", precision="float32", steps=2, global_batch=12, timeout=300),
+                 pool).ranks[0]
+    return sum(report.sent_bytes_per_step.values())
+
+
+def _zero3_mistakes(units, n, b):
+    """What plausible wrong formulas give, by what they forgot."""
+    padded = [(n - 1) * -(-u // n) * b for u in units]
+    exact = [(n - 1) * u * b // n for u in units]
+    whole = [u * b for u in units]
+    right = 3 * sum(padded) - padded[-1]
+    mistakes = {}
+    for got, why in ((3 * sum(padded), "the last unit is gathered once, not twice: it is never released between its "
+                                        "forward and its backward"),
+                     (2 * sum(padded) - padded[-1], "no reduce-scatter of the gradients: each unit's gradients are "
+                                                    "reduce-scattered once per step"),
+                     (3 * sum(exact) - exact[-1], "no padding: each unit's flat buffer is padded to a multiple of N, "
+                                                  "so a collective moves (N-1) chunks of ceil(u/N) elements"),
+                     (3 * sum(whole) - whole[-1], "the whole unit per collective: a ring sends (N-1)/N of it"),
+                     (3 * sum(exact), "3(N-1)/N of the parameters: count each unit's calls (padded, the last unit "
+                                      "gathered once)")):
+        if got != right:
+            mistakes.setdefault(got, why)
+    return right, mistakes
+
+
+def check_zero3_bytes(fn, world_size: int = 4, also: int | None = 3) -> Verdict:
     """Exercise (chapter 10): `fn(unit_numels, world_size, element_size) -> bytes` that one rank of
     zeronb's ZeRO-3 sends per training step (the last unit is not gathered a second time).
-    Checked against the ledger's count of a real step on the GPT model."""
-    try:
-        report = run(RunConfig(stage=3, model="gpt", precision="float32", steps=2, timeout=300), _pool(world_size)).ranks[0]
-    except RankError as e:
-        return Verdict("ZeRO-3 bytes per step", [f"the reference run failed: {e}"])
-
+    Checked against the ledger's count of a real step on the GPT model, on `world_size` ranks and on
+    `also` (where the units need padding)."""
+    title = "ZeRO-3 bytes per step"
     units = [sum(p.numel() for p in u.parameters()) for u in make_model(Config(kind="gpt")).units()]
-    measured = sum(report.sent_bytes_per_step.values())
-    try:
-        got = fn(units, world_size, 4)
-    except Exception as e:  # the learner's own code, run here in the notebook
-        return Verdict("ZeRO-3 bytes per step", [f"your function raised {type(e).__name__}: {e}"])
-    problems = [] if got == measured else [
-        f"your formula gives {got} bytes; the ledger counted {measured} "
-        f"({report.sent_bytes_per_step}) on {world_size} ranks with units of {units} elements"]
-    return Verdict("ZeRO-3 bytes per step", problems, ["checked against the ledger's credits for a real step of zeronb's ZeRO-3"])
+    sizes = _sizes(world_size, also)
+    answers = {}
+    for n in sizes:  # the learner's formula first: no ranks are started for one that raises
+        try:
+            answers[n] = fn(units, n, 4)
+        except Exception as e:  # the learner's own code, run here in the notebook
+            return Verdict(title, [f"your function raised {type(e).__name__}: {e}"])
+    problems = []
+    for pool in each_pool(world_size, also):
+        n = pool.world_size
+        try:
+            measured = _zero3_step_bytes(pool)
+        except RankError as e:
+            return Verdict(title, [f"the reference run failed: {e}"])
+        got = answers[n]
+        if got == measured:
+            continue
+        right, mistakes = _zero3_mistakes(units, n, 4)
+        why = mistakes.get(got, "") if right == measured else ""
+        problems.append(f"on {n} ranks (units of {units} elements, float32) your formula gives {got} bytes; the "
+                        f"ledger credited {measured}" + (f": {why}" if why else ""))
+        break
+    return Verdict(title, problems, [f"checked on {' and '.join(map(str, sizes))} ranks against the ledger's credits "
+                                     "for a real step of zeronb's ZeRO-3"])
