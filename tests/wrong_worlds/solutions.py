@@ -241,11 +241,295 @@ def zero3_bytes_no_reduce_scatter(units, n, b):
     return 2 * sum(per) - per[-1]
 
 
+# --- chapter 7: bucketed DDP --------------------------------------------------------------------------------
+
+def bucketed_ddp(average=True, reset=True, in_hooks=True, per_parameter=False, wait_in_hook=False):
+    """The right hooks by default; each argument makes one mistake."""
+    def my_bucketed_ddp(buckets):
+        works, pending = [], {}
+        owner = {p: i for i, b in enumerate(buckets) for p in b}
+
+        def send(params):
+            groups = [[q] for q in params] if per_parameter else [params]
+            for group in groups:
+                flat = torch.cat([q.grad.reshape(-1) for q in group])
+                if wait_in_hook == "sync":     # the issue's: a blocking all-reduce inside the hook
+                    dist.all_reduce(flat)
+                    works.append((group, flat, None))
+                    continue
+                work = dist.all_reduce(flat, async_op=True)
+                if wait_in_hook:               # async, but waited for at once
+                    work.wait()
+                works.append((group, flat, work))
+
+        def ready(p):
+            i = owner[p]
+            pending[i].discard(p)
+            if not pending[i]:
+                send(buckets[i])
+                if reset:
+                    pending[i] = set(buckets[i])
+
+        for i, b in enumerate(buckets):
+            pending[i] = set(b)
+            for p in b:
+                if in_hooks:
+                    p.register_post_accumulate_grad_hook(ready)
+
+        def finish():
+            if not in_hooks:
+                for b in buckets:
+                    send(b)
+            for params, flat, work in works:
+                if work is not None:
+                    work.wait()
+                if average:
+                    flat /= dist.get_world_size()
+                offset = 0
+                for q in params:
+                    q.grad.copy_(flat[offset:offset + q.numel()].view_as(q))
+                    offset += q.numel()
+            works.clear()
+
+        return finish
+    return my_bucketed_ddp
+
+
+# --- chapter 9: ZeRO-2's reduce-scatter hooks ---------------------------------------------------------------
+
+def zero2_hooks(add=True, free="each", wait=True, send="each", collective="reduce_scatter"):
+    """ZeRO-2's hooks, right by default. The wrong ones, one per property the checker names: the shards
+    (add=False: each reduce-scatter overwrites the shard), the calls (wait=False: a bucket is sent
+    whenever one of its gradients lands), the memory (free=None: never freed; free="at the end": every
+    bucket reduce-scattered in time, but the full gradients freed only once the last is done;
+    send="at the end": every bucket sent and freed, but only once the last is complete), the method
+    (collective="all_reduce": the whole sum to every rank, then its chunk kept)."""
+    def my_zero2_hooks(buckets, grad_shards):
+        from zeronb.runtime.compat import reduce_scatter_single
+
+        pending = [set(b.params) for b in buckets]
+        owner = {p: i for i, b in enumerate(buckets) for p in b.params}
+        done = set()
+
+        def send_bucket(i):
+            if collective == "all_reduce":
+                flat = buckets[i].flatten_grads().clone()
+                dist.all_reduce(flat)
+                out = buckets[i].chunk(dist.get_rank(), flat).clone()
+            else:
+                out = torch.empty_like(grad_shards[i])
+                reduce_scatter_single(out, buckets[i].flatten_grads())
+            if add:
+                grad_shards[i] += out
+            else:
+                grad_shards[i].copy_(out)
+            if free == "each":
+                for q in buckets[i].params:
+                    q.grad = None
+
+        def ready(p):
+            i = owner[p]
+            pending[i].discard(p)
+            if pending[i] and wait:
+                return
+            pending[i] = set(buckets[i].params)
+            done.add(i)
+            if send == "each":
+                send_bucket(i)
+            elif len(done) == len(buckets):
+                for j in range(len(buckets)):
+                    send_bucket(j)
+            if len(done) == len(buckets):
+                if free == "at the end":
+                    for b in buckets:
+                        for q in b.params:
+                            q.grad = None
+                done.clear()
+
+        for b in buckets:
+            for p in b.params:
+                p.register_post_accumulate_grad_hook(ready)
+    return my_zero2_hooks
+
+
+# --- chapter 10: one ZeRO-3 unit --------------------------------------------------------------------------
+
+def zero3_unit(free_after_forward=True, average=False, backward_gather="shards", collective="reduce_scatter",
+               padded=True):
+    """The right hooks by default. backward_gather="zeros": the issue's, a buffer of zeros before backward
+    (a Linear's weight gradient does not depend on its weights: only what flows back through it shows it)."""
+    def my_zero3_unit(unit, flat, shard, grad_shard):
+        from zeronb.runtime.compat import all_gather_single, reduce_scatter_single
+
+        size = flat.padded if padded else flat.numel
+        nbytes, storage, pending = size * flat.data.element_size(), flat.data.untyped_storage(), set()
+
+        def gather(what="shards"):
+            storage.resize_(nbytes)
+            if what == "zeros":
+                flat.data.data.zero_()
+            else:
+                all_gather_single(flat.data.data, shard)
+
+        def forward_pre(module, args):
+            gather()
+            pending.update(flat.params)
+
+        def ready(p):
+            pending.discard(p)
+            if pending:
+                return
+            if collective == "all_reduce":
+                full = flat.flatten_grads().clone()
+                dist.all_reduce(full)
+                out = flat.chunk(dist.get_rank(), full)
+            else:
+                out = torch.empty_like(grad_shard)
+                reduce_scatter_single(out, flat.flatten_grads())
+            grad_shard.add_(out / dist.get_world_size() if average else out)
+            for q in flat.params:
+                q.grad = None
+            storage.resize_(0)
+
+        def free_after(module, args, out):  # (returns None: a forward hook's return value replaces the output)
+            storage.resize_(0)
+
+        unit.register_forward_pre_hook(forward_pre)
+        if free_after_forward:
+            unit.register_forward_hook(free_after)
+        unit.register_full_backward_pre_hook(lambda m, g: gather(backward_gather))
+        for p in flat.params:
+            p.register_post_accumulate_grad_hook(ready)
+    return my_zero3_unit
+
+
+def zero3_unit_nothing(unit, flat, shard, grad_shard):  # registers no hook: forward meets a freed buffer
+    return None
+
+
+# --- chapter 12: accumulation and global-norm clipping -------------------------------------------------------
+
+def accumulate_and_clip(scope="global", mean=True, gather=False, divisor=None):
+    def my_accumulate_and_clip(micro_grads, max_norm):
+        from zeronb.runtime.compat import all_gather_single, reduce_scatter_single
+
+        n, k = dist.get_world_size(), len(micro_grads)
+        shard = micro_grads[0].new_zeros(micro_grads[0].numel() // n)
+        for g in micro_grads:
+            part = torch.empty_like(shard)
+            reduce_scatter_single(part, g)
+            shard += part
+        if mean:
+            shard /= (divisor or n) * k
+        if gather:  # the whole gradient on every rank, to take its norm: correct, and wasteful
+            full = shard.new_empty(shard.numel() * n)
+            all_gather_single(full, shard)
+            norm = full.norm().item()
+        elif scope == "all-reduce the shard":  # right norm from the whole shard, all-reduced: wasteful
+            full = micro_grads[0].new_zeros(micro_grads[0].numel())
+            full[dist.get_rank() * shard.numel():(dist.get_rank() + 1) * shard.numel()] = shard
+            dist.all_reduce(full)
+            norm = full.norm().item()
+        else:
+            squares = shard.pow(2).sum().reshape(1)
+            if scope == "global":
+                dist.all_reduce(squares)
+            norm = squares.sqrt().item()
+        if scope != "none":
+            shard *= min(1.0, max_norm / (norm + 1e-6))
+        return shard, norm
+    return my_accumulate_and_clip
+
+
+# --- chapter 13: two nodes of two ranks; bytes across nodes counted by the OS --------------------------------
+
+def hierarchical_all_reduce(t):
+    from zeronb.runtime.groups import node_groups
+
+    c = _compat()
+    within, across = node_groups()
+    shard = t.new_empty(t.numel() // dist.get_world_size(within))
+    c.reduce_scatter_single(shard, t, group=within)
+    dist.all_reduce(shard, group=across)
+    c.all_gather_single(t, shard, group=within)
+    return t
+
+
+def hierarchical_whole_tensor_across(t):  # the right sum, but the whole tensor crosses the slow link
+    from zeronb.runtime.groups import node_groups
+
+    within, across = node_groups()
+    dist.all_reduce(t, group=within)
+    dist.all_reduce(t, group=across)
+    return t
+
+
+def hierarchical_flat(t):  # one flat all-reduce: half its ring's edges cross the nodes
+    dist.all_reduce(t)
+    return t
+
+
+def hierarchical_skip_the_gather(t):
+    from zeronb.runtime.groups import node_groups
+
+    within, across = node_groups()
+    shard = t.new_empty(t.numel() // 2)
+    _compat().reduce_scatter_single(shard, t, group=within)
+    dist.all_reduce(shard, group=across)
+    return torch.cat([shard, shard])
+
+
+def hsdp_gradient(grad):
+    from zeronb.runtime.groups import node_groups
+
+    within, across = node_groups()
+    shard = grad.new_empty(grad.numel() // dist.get_world_size(within))
+    _compat().reduce_scatter_single(shard, grad, group=within)
+    dist.all_reduce(shard, group=across)
+    return shard / dist.get_world_size()
+
+
+def hsdp_average_within_only(grad):
+    from zeronb.runtime.groups import node_groups
+
+    return hsdp_gradient(grad) * dist.get_world_size() / dist.get_world_size(node_groups()[0])
+
+
+def hsdp_sum(grad):
+    return hsdp_gradient(grad) * dist.get_world_size()
+
+
+def hsdp_all_reduce_then_slice(grad):  # right shard, the whole gradient sent across
+    g = 2
+    dist.all_reduce(grad)
+    c = grad.numel() // g
+    i = dist.get_rank() % g
+    return grad[i * c:(i + 1) * c] / dist.get_world_size()
+
+
+def hsdp_all_reduce_within(grad):  # right values and bytes across; twice the bytes within the node
+    from zeronb.runtime.groups import node_groups
+
+    within, across = node_groups()
+    g = dist.get_world_size(within)
+    dist.all_reduce(grad, group=within)
+    c, i = grad.numel() // g, dist.get_rank(within)
+    shard = grad[i * c:(i + 1) * c].contiguous()
+    dist.all_reduce(shard, group=across)
+    return shard / dist.get_world_size()
+
+
 RIGHT = {
     "check_all_reduce": all_reduce,
     "check_ring_all_gather": ring_all_gather,
     "check_zero1_step": zero1_step,
     "check_zero3_bytes": zero3_bytes,
+    "check_bucketed_ddp": bucketed_ddp(),
+    "check_zero2_hooks": zero2_hooks(),
+    "check_zero3_unit": zero3_unit(),
+    "check_accumulate_and_clip": accumulate_and_clip(),
+    "check_hierarchical_all_reduce": hierarchical_all_reduce,
+    "check_hsdp_gradient": hsdp_gradient,
 }
 
 WRONG = {
@@ -282,5 +566,64 @@ WRONG = {
         Wrong("no padding", "padding", zero3_bytes_no_padding, "no padding"),
         Wrong("the last unit gathered twice", "calls", zero3_bytes_last_unit_twice, "the last unit is gathered once"),
         Wrong("no reduce-scatter", "calls", zero3_bytes_no_reduce_scatter, "no reduce-scatter"),
+    ],
+    "check_bucketed_ddp": [
+        Wrong("a blocking all-reduce in the hook", "overlap", bucketed_ddp(wait_in_hook="sync"),
+              "backward waited for its all-reduces"),
+        Wrong("async, but waited for in the hook", "overlap", bucketed_ddp(wait_in_hook=True),
+              "backward waited for its all-reduces"),
+        Wrong("all-reduced after backward", "when", bucketed_ddp(in_hooks=False), "no all-reduce was issued during backward"),
+        Wrong("one all-reduce per parameter", "calls", bucketed_ddp(per_parameter=True),
+              "8 all_reduce call(s) where the method makes 4"),
+        Wrong("the sum, not the average", "values", bucketed_ddp(average=False), "the sum over the ranks: divide by N = 4"),
+        Wrong("what a bucket waits for is not reset", "second step", bucketed_ddp(reset=False),
+              "step 2: backward (your hooks) raised"),
+    ],
+    "check_zero2_hooks": [
+        Wrong("overwrites the shard", "values", zero2_hooks(add=False),
+              "holds the last backward's sum only: add each reduce-scatter"),
+        Wrong("sends a bucket at every gradient", "calls", zero2_hooks(wait=False),
+              "more than one per bucket"),
+        Wrong("all-reduces the bucket and keeps its chunk", "method", zero2_hooks(collective="all_reduce"),
+              "you called all_reduce: ZeRO-2 reduce-scatters each bucket"),
+        Wrong("never frees the full gradients", "memory", zero2_hooks(free=None), "full gradients are still held"),
+        Wrong("frees them all when backward ends", "memory", zero2_hooks(free="at the end"),
+              "ZeRO-1's full gradient buffer. Free a bucket's gradients (p.grad = None) right after its reduce-scatter"),
+        Wrong("sends every bucket when the last completes", "memory", zero2_hooks(send="at the end"),
+              "not yet reduce-scattered"),
+    ],
+    "check_zero3_unit": [
+        Wrong("gathers zeros before backward", "values seen", zero3_unit(backward_gather="zeros"),
+              "the unit's backward saw parameters that are not the full ones"),
+        Wrong("keeps the parameters after forward", "memory", zero3_unit(free_after_forward=False),
+              "after its forward the unit still held"),
+        Wrong("the average in grad_shard", "values", zero3_unit(average=True), "grad_shard holds the average"),
+        Wrong("all-reduces the gradients", "method", zero3_unit(collective="all_reduce"), "you called all_reduce"),
+        Wrong("the buffer resized without its padding", "padding", zero3_unit(padded=False),
+              "your hooks) raised RuntimeError"),
+        Wrong("registers nothing", "gather", zero3_unit_nothing, "its buffer held 0 of 34336 bytes: gather before forward"),
+    ],
+    "check_accumulate_and_clip": [
+        Wrong("clipped by its own shard's norm", "values", accumulate_and_clip(scope="local"),
+              "clipped by the norm of this rank's own shard"),
+        Wrong("not clipped", "values", accumulate_and_clip(scope="none"), "not clipped"),
+        Wrong("a sum, not the mean", "values", accumulate_and_clip(mean=False), "a sum where the step needs the mean"),
+        Wrong("gathers the gradient for its norm", "method", accumulate_and_clip(gather=True),
+              "you called all_gather: nothing needs gathering"),
+        Wrong("all-reduces the gradient for its norm", "method", accumulate_and_clip(scope="all-reduce the shard"),
+              "the norm needs one number from each rank"),
+        Wrong("divides by 4 ranks", "world size", accumulate_and_clip(divisor=4), "on 3 ranks"),
+    ],
+    "check_hierarchical_all_reduce": [
+        Wrong("the whole tensor across nodes", "bytes across", hierarchical_whole_tensor_across, "bytes across nodes"),
+        Wrong("one flat all-reduce", "method", hierarchical_flat, "0 reduce_scatter call(s)"),
+        Wrong("skips the all-gather", "values", hierarchical_skip_the_gather, "the result"),
+    ],
+    "check_hsdp_gradient": [
+        Wrong("averaged within the node only", "values", hsdp_average_within_only, "2 x the average"),
+        Wrong("the sum", "values", hsdp_sum, "4 x the average"),
+        Wrong("all-reduces the whole gradient, then slices", "bytes across", hsdp_all_reduce_then_slice,
+              "bytes across nodes"),
+        Wrong("all-reduces within the node, then slices", "method", hsdp_all_reduce_within, "0 reduce_scatter call(s)"),
     ],
 }

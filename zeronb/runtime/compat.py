@@ -136,3 +136,10 @@ def expected_avg_outcomes(op: str, backend: str) -> set:
     if version >= fixed_in:
         return {"honoured"}
     return {before, "honoured"} if version == (fixed_in[0], fixed_in[1] - 1) else {before}
+
+
+def default_store():
+    """The key-value store the default process group was made with (its rendezvous store): ranks can
+    tell each other things outside the group's collectives, with a timeout. torch has had
+    `distributed_c10d._get_default_store` since 1.x and no public name for it."""
+    return c10d._get_default_store()

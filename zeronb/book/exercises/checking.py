@@ -57,10 +57,10 @@ def by_rank(found: dict[int, list[str]], world_size: int) -> list[str]:
     groups: dict[str, list] = {}
     for r in sorted(found):
         for line in found[r]:
-            groups.setdefault(re.sub(r"\d+(\.\d+)?(e[+-]?\d+)?", "#", line), []).append((r, line))
+            groups.setdefault(re.sub(r"-?\d+(\.\d+)?(e[+-]?\d+)?", "#", line), []).append((r, line))
     out = []
     for seen in groups.values():
-        rs, lines = [r for r, _ in seen], {line for _, line in seen}
+        rs, lines = sorted({r for r, _ in seen}), {line for _, line in seen}
         alike = len(lines) > 1
         if len(rs) == world_size and world_size > 1:
             where = "on every rank" + (f", e.g. rank {rs[0]}" if alike else "")

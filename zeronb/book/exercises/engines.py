@@ -1,6 +1,8 @@
 """Checkers for the exercises that build the stages: the learner's hooks run inside real training
 steps on the ranks - bucketed DDP (chapter 7), ZeRO-2's reduce-scatter hooks (chapter 9), ZeRO-3's
 gather and free for one unit (chapter 10), accumulation with global-norm clipping (chapter 12).
+Each grades the method as well as the values: the collectives called, what was held when, whether
+backward went on while a bucket was in flight, the parameters a layer computed with.
 """
 from __future__ import annotations
 
@@ -12,19 +14,25 @@ from ...models import Config, local_batch, make_model
 from ...runtime.backend import device
 from ...shards import chunk_bounds
 from ...zero.buckets import Bucket
-from .checking import Verdict, _compare, _inputs, _pool, _run
+from .checking import Verdict, _inputs, _pool, _run, by_rank, collectives_made, each_pool, what_is_wrong
+
+# The MLP the engines' exercises train: its layers (2145, 4290, 4290 and 1056 elements) do not all
+# divide by 4, so their flat buffers are padded, as real ones are.
+MLP = Config(kind="mlp", hidden=65)
+HOLD_S = 5.0  # how long the held rank waits for the others' backward (bucketed DDP): seconds, not ms
 
 # Each runs the learner's code on every rank inside training steps of the small MLP (float64), beside
 # a plain copy of the model whose gradients are all-reduced the obvious way: the reference. The
 # checker's own hooks, registered after the learner's, watch *when* things happen (ZeRO-2's weighs
 # memory from tensor hooks instead, which run before any post-accumulate-grad hook: see there).
 
-def _mlp_and_reference(steps: int = 2):
+def _mlp_and_reference(steps: int = 2, local: list | None = None):
     """Inside a rank: the MLP, a plain copy of it, and for each step this rank's batch and the
-    reference gradients (averaged over the ranks), by parameter name."""
+    reference gradients (averaged over the ranks), by parameter name; `local`, if given, gets this
+    rank's own gradients of each step (before any averaging)."""
     import torch.distributed as dist
 
-    cfg, dev = Config(kind="mlp"), device()
+    cfg, dev = MLP, device()
     rank, n = dist.get_rank(), dist.get_world_size()
     model, plain = make_model(cfg, torch.float64, dev), make_model(cfg, torch.float64, dev)
     batches, reference = [], []
@@ -33,6 +41,8 @@ def _mlp_and_reference(steps: int = 2):
         plain.zero_grad(set_to_none=True)
         plain.loss(plain(x), y).backward()
         grads = {}
+        if local is not None:
+            local.append({name: p.grad.clone() for name, p in plain.named_parameters()})
         for name, p in plain.named_parameters():
             g = p.grad.clone()
             dist.all_reduce(g)
@@ -42,12 +52,13 @@ def _mlp_and_reference(steps: int = 2):
     return model, batches, reference
 
 
-def _verdict_from_ranks(title, try_on_rank, fn, world_size, what) -> Verdict:
-    """Run `try_on_rank(fn)` on the ranks (each returns its list of problems) and say what was found."""
-    res, err = _run(_pool(world_size), try_on_rank, fn, timeout=60)
+def _verdict_from_ranks(title, try_on_rank, fn, world_size, what, *args) -> Verdict:
+    """Run `try_on_rank(fn, *args)` on the ranks (each returns its list of problems) and say what was found."""
+    pool = _pool(world_size)
+    res, err = _run(pool, try_on_rank, fn, *args, timeout=60)
     if err:
         return Verdict(title, [err])
-    problems = [f"rank {r}: {p}" for r, probs in enumerate(res) for p in probs]
+    problems = by_rank(dict(enumerate(res)), pool.world_size)
     return Verdict(title, problems, [f"checked on {world_size} ranks, {what}"])
 
 
@@ -59,10 +70,15 @@ def _call_learner(what, fn, *args):
         return None, f"{what} raised {type(e).__name__}: {e}"
 
 
-def _try_bucketed_ddp(fn):
+def _try_bucketed_ddp(fn, token):
+    import datetime
+
     import torch.distributed as dist
 
+    from ...runtime.compat import default_store
+
     model, batches, reference = _mlp_and_reference()
+    rank, n = dist.get_rank(), dist.get_world_size()
     names = {p: name for name, p in model.named_parameters()}
     layers = list(model.layers)
     buckets = [list(layer.parameters()) for layer in reversed(layers)]  # backward order: the last layer first
@@ -71,9 +87,9 @@ def _try_bucketed_ddp(fn):
         return [err]
     if not callable(finish):
         return [f"my_bucketed_ddp should return a function (finish) that waits for the all-reduces, not {type(finish).__name__}"]
-    problems, n = [], dist.get_world_size()
-    # the checker's hooks fire after the learner's on each parameter: when a bucket's last gradient
-    # has arrived, its all-reduce should have been issued already (not after backward)
+    problems = []
+    # When: the checker's hooks fire after the learner's on each parameter, so when a bucket's last
+    # gradient has arrived its all-reduce should have been issued already (not after backward).
     seen = {}
 
     def watch(p):
@@ -82,16 +98,35 @@ def _try_bucketed_ddp(fn):
         if not pending[bucket]:
             seen[bucket] = ledger.calls.get("all_reduce", 0), len(seen)
 
+    # Overlap: the last rank holds its backward back, before its first gradient, until every other
+    # rank's backward has returned. An all-reduce needs every rank, so the others' all-reduces cannot
+    # finish before it starts: their backward returns only if it went on while their buckets were in
+    # flight. One that waits for its all-reduce inside a hook waits for the held rank, which waits
+    # for it: the hold times out and says so. (A tensor hook runs before any post-accumulate hook.)
+    store, held = default_store(), n - 1
+    hold = {"step": None, "timed_out": False}
+
+    def hold_back(grad):
+        if rank == held and n > 1 and hold["step"] is not None:
+            step, hold["step"] = hold["step"], None
+            try:
+                store.wait([f"{token}/{step}/{q}" for q in range(n) if q != held], datetime.timedelta(seconds=HOLD_S))
+            except Exception:  # (a timeout: DistStoreError, or RuntimeError on older torch)
+                hold["timed_out"] = True
+
     for b in buckets:
         for p in b:
             p.register_post_accumulate_grad_hook(watch)
+            p.register_hook(hold_back)
     for step, ((x, y), want) in enumerate(zip(batches, reference)):
         pending = [set(b) for b in buckets]
         seen.clear()
+        hold["step"] = step
         model.zero_grad(set_to_none=True)
         label = f"step {step + 1}"
         with CommLedger() as ledger:
             _, err = _call_learner("backward (your hooks)", lambda: model.loss(model(x), y).backward())
+            store.set(f"{token}/{step}/{rank}", "backward returned")
             if err:
                 return problems + [f"{label}: {err}" + (" - in the second backward: is what each bucket waits for "
                                                         "reset after the bucket is sent?" if step else "")]
@@ -99,6 +134,17 @@ def _try_bucketed_ddp(fn):
             _, err = _call_learner("finish()", finish)
         if err:
             return problems + [f"{label}: {err}"]
+        # every rank learns from the held one whether the hold timed out, and all stop together
+        if rank == held:
+            store.set(f"{token}/{step}/hold", "timed out" if hold["timed_out"] else "released")
+        if n > 1 and store.get(f"{token}/{step}/hold") == b"timed out":
+            return problems + [f"{label}: backward waited for its all-reduces: with rank {held} held back, the other "
+                               f"ranks' backward did not return within {HOLD_S:g} s. Issue each bucket's all-reduce "
+                               "with async_op=True, let backward go on, and wait in finish()"]
+        method = collectives_made(dict(ledger.calls), {"all_reduce": len(buckets)},
+                                  "one all-reduce per bucket: flatten the bucket's gradients into one tensor")
+        if method:
+            problems.append(f"{label}: {method}")
         if issued_in_backward == 0:
             problems.append(f"{label}: no all-reduce was issued during backward"
                             + (" (the second backward: reset what each bucket waits for, after it is sent)" if step else
@@ -109,22 +155,19 @@ def _try_bucketed_ddp(fn):
                     problems.append(f"{label}: bucket {bucket} (layer {len(layers) - 1 - bucket}) was complete, but its all-reduce "
                                     f"had not been issued: send a bucket as soon as its last gradient arrives")
                     break
-        if ledger.calls.get("all_reduce", 0) != len(buckets):
-            problems.append(f"{label}: {ledger.calls.get('all_reduce', 0)} all-reduce calls for {len(buckets)} buckets: "
-                            "one per bucket (flatten the bucket's gradients into one tensor)")
         for p in model.parameters():
             name = names[p]
             if p.grad is None:
                 problems.append(f"{label}: {name} has no gradient after finish()")
-                continue
-            if torch.allclose(p.grad, want[name], rtol=1e-10, atol=1e-12):
-                continue
-            if n > 1 and torch.allclose(p.grad, want[name] * n, rtol=1e-10, atol=1e-12):
-                problems.append(f"{label}: {name} holds the sum over the ranks: divide by N = {n} for the average")
-            else:
-                off = (p.grad - want[name]).abs().max().item()
-                problems.append(f"{label}: {name}'s gradient is off by up to {off:.3g} from the averaged one "
-                                "(did finish() wait for the work and copy the result back into .grad?)")
+                break
+            wrong = what_is_wrong(f"{label}: {name}'s gradient", p.grad, want[name], torch.float64, known=[
+                (want[name] * n, f"the sum over the ranks: divide by N = {n} for the average")])
+            if wrong:
+                problems.append(wrong if "the sum over" in wrong else
+                                wrong + " (did finish() wait for the work and copy the result back into .grad?)")
+                break
+        if problems:
+            return problems
     return problems
 
 
@@ -133,10 +176,14 @@ def check_bucketed_ddp(fn, world_size: int = 4) -> Verdict:
     layer per bucket, last layer first. Register hooks so that each bucket is all-reduced (one
     collective, async) as soon as backward has produced all its gradients; `finish()` waits for
     them and leaves the *averaged* gradient in every parameter's .grad. Checked over two
-    training steps against all-reducing each gradient after backward."""
+    training steps against all-reducing each gradient after backward: the gradients, one all-reduce
+    per bucket, each issued when its bucket completes, and backward going on while they are in
+    flight (one rank is held back until the others' backward has returned)."""
+    import uuid
+
     return _verdict_from_ranks("bucketed DDP", _try_bucketed_ddp, fn, world_size,
                                "two steps of the MLP in float64: gradients, one all-reduce per bucket, "
-                               "issued during backward")
+                               "issued during backward, backward going on while they are in flight", uuid.uuid4().hex)
 
 
 def _try_zero2_hooks(fn):
@@ -185,7 +232,11 @@ def _try_zero2_hooks(fn):
             if err:
                 return [f"backward {k + 1}: {err}"]
     calls = ledger.calls.get("reduce_scatter", 0)
-    if calls != 2 * len(buckets):
+    others = sorted(op for op in ledger.calls if op != "reduce_scatter")
+    if others:
+        problems.append(f"you called {', '.join(others)}: ZeRO-2 reduce-scatters each bucket, every rank receiving "
+                        "only its chunk of the sum (an all-reduce brings the whole sum to every rank)")
+    elif calls != 2 * len(buckets):
         hint = ("more than one per bucket: was a bucket sent before all its gradients had landed? Count the "
                 "gradients it still waits for, and send it when the last one lands" if calls > 2 * len(buckets) else
                 "one per bucket per backward, from its hook (reduce_scatter_single of the flat, padded gradients)"
@@ -246,7 +297,8 @@ def check_zero2_hooks(fn, world_size: int = 4) -> Verdict:
 def _try_zero3_unit(fn):
     import torch.distributed as dist
 
-    model, batches, reference = _mlp_and_reference(steps=1)
+    local = []
+    model, batches, reference = _mlp_and_reference(steps=1, local=local)
     rank, n = dist.get_rank(), dist.get_world_size()
     unit = model.layers[1]   # one unit in the middle: the rest of the model stays whole
     names = {p: name for name, p in model.named_parameters()}
@@ -267,23 +319,38 @@ def _try_zero3_unit(fn):
     # the checker's module hooks, registered after the learner's: what the unit holds at each point
     unit.register_forward_pre_hook(lambda m, a: seen.__setitem__("forward", (storage(), flat.data.clone() if storage() else None)))
     unit.register_forward_hook(lambda m, a, out: seen.__setitem__("after forward", storage()))
-    unit.register_full_backward_pre_hook(lambda m, g: seen.__setitem__("backward", storage()))
+    unit.register_full_backward_pre_hook(lambda m, g: seen.__setitem__(
+        "backward", (storage(), flat.data.clone() if storage() >= nbytes else None)))
     problems = []
     (x, y), want = batches[0], reference[0]
     with CommLedger() as ledger:
-        model.loss(model(x), y).backward()
+        _, crashed = _call_learner("the step (forward and backward, your hooks)", lambda: model.loss(model(x), y).backward())
+    if crashed and "forward" not in seen:  # (a hook of the learner's raised before the unit's forward)
+        return [crashed]
     size, values = seen.get("forward", (0, None))
     if size < nbytes:
-        problems.append(f"when the unit's forward ran, its buffer held {size} of {nbytes} bytes: gather before forward "
-                        "(resize the storage back, then all_gather_single into flat.data.data)")
+        return [f"when the unit's forward ran, its buffer held {size} of {nbytes} bytes: gather before forward (resize "
+                "the storage back to flat.padded elements, then all_gather_single into flat.data)"]
+    if crashed:
+        return [crashed]
     elif not torch.allclose(values, full_values, rtol=0, atol=0):
         problems.append("the unit's forward saw parameters that are not the full ones: all-gather every rank's shard")
     if seen.get("after forward", 0):
         problems.append(f"after its forward the unit still held {seen['after forward']} bytes of full parameters: free them "
                         "(flat.data.untyped_storage().resize_(0))")
-    if seen.get("backward", 0) < nbytes:
+    size, values = seen.get("backward", (0, None))
+    if size < nbytes:
         problems.append("the unit's backward began without its full parameters: gather them again before backward "
                         "(register_full_backward_pre_hook)")
+    elif not torch.equal(values, full_values):
+        problems.append("the unit's backward saw parameters that are not the full ones: gather every rank's shard "
+                        "again before backward (the gradient flowing back through the unit is made with them)")
+    before = model.layers[0]  # the gradient that flowed back through the unit, into the layer before it
+    for name, p in before.named_parameters(prefix="layers.0"):
+        if p.grad is None or not torch.allclose(p.grad, local[0][name], rtol=1e-10, atol=1e-12):
+            problems.append(f"{name}'s gradient, which flows back through the unit, is wrong: the unit's backward "
+                            "computed with the wrong parameters")
+            break
     if storage():
         problems.append(f"after backward the unit still holds {storage()} bytes of full parameters: free them once its "
                         "gradients are reduce-scattered")
@@ -299,7 +366,11 @@ def _try_zero3_unit(fn):
             problems.append(f"grad_shard is off by up to {(grad_shard - flat.chunk(rank, summed)).abs().max().item():.3g} from "
                             f"chunk {rank} of the gradient summed over the ranks")
     gathers, scatters = ledger.calls.get("all_gather", 0), ledger.calls.get("reduce_scatter", 0)
-    if (gathers, scatters) != (2, 1):
+    others = sorted(op for op in ledger.calls if op not in ("all_gather", "reduce_scatter"))
+    if others:
+        problems.append(f"you called {', '.join(others)}: ZeRO-3 all-gathers the parameters and reduce-scatters the "
+                        "gradients, each rank keeping only its chunk")
+    elif (gathers, scatters) != (2, 1):
         problems.append(f"one step made {gathers} all-gather(s) and {scatters} reduce-scatter(s) of the unit; ZeRO-3 makes 2 "
                         "(before forward, before backward) and 1 (after backward)")
     return problems
@@ -316,14 +387,15 @@ def check_zero3_unit(fn, world_size: int = 4) -> Verdict:
                                "backward, its gradient shard, its collectives")
 
 
-def _try_accumulate_and_clip(fn, max_norm, k):
+def _try_accumulate_and_clip(fn, max_norm, k, numel):
     import torch.distributed as dist
 
-    rank, n, numel = dist.get_rank(), dist.get_world_size(), 4096
+    rank, n = dist.get_rank(), dist.get_world_size()
     # K micro-batch gradients of this rank (each of its micro-batch's mean loss), flat and padded
     micro = [_inputs(1000 * i + rank, numel, torch.float64) for i in range(k)]
     everyone = [[_inputs(1000 * i + r, numel, torch.float64) for i in range(k)] for r in range(n)]
-    mean = torch.stack([torch.stack(g).sum(0) for g in everyone]).sum(0) / (n * k)  # the step's gradient
+    total = torch.stack([torch.stack(g).sum(0) for g in everyone]).sum(0)
+    mean = total / (n * k)                                          # the step's gradient
     norm = mean.norm().item()
     scale = min(1.0, max_norm / (norm + 1e-6))                      # clip_grad_norm_'s rule
     a, b = chunk_bounds(numel, n, rank)
@@ -333,60 +405,57 @@ def _try_accumulate_and_clip(fn, max_norm, k):
     got_norm = None
     if isinstance(out, tuple) and len(out) == 2:
         out, got_norm = out
-    local_norm = unclipped.norm().item()
-    return {"got": out.cpu() if isinstance(out, torch.Tensor) else out, "got_norm": got_norm,
-            "want": want.cpu(), "unclipped": unclipped.cpu(), "norm": norm, "local_norm": local_norm,
-            "by_op": dict(ledger.by_op), "calls": dict(ledger.calls), "bounds": (a, b)}
+    if isinstance(got_norm, torch.Tensor):
+        got_norm = got_norm.item() if got_norm.numel() == 1 else None
+    problems = []
+    summed_norm = isinstance(got_norm, float) and any(abs(got_norm - f * norm) <= 1e-9 * f * norm
+                                                      for f in {k, n, n * k} - {1})
+    own = unclipped * min(1.0, max_norm / (unclipped.norm().item() + 1e-6))
+    sum_message = f"a sum where the step needs the mean: divide by N x K = {n} x {k} (before the norm is taken)"
+    wrong = what_is_wrong("the clipped shard", out.cpu() if isinstance(out, torch.Tensor) else out, want.cpu(),
+                          torch.float64, known=[
+                              (unclipped, f"not clipped (the global norm is {norm:.4g} > max_norm {max_norm})"),
+                              (own, "clipped by the norm of this rank's own shard, not the whole model's: all-reduce "
+                                    "each rank's sum of squares, then take the root"),
+                              (want * k, sum_message), (want * n, sum_message), (want * n * k, sum_message),
+                              (total[a:b] / (4 * k) * min(1.0, max_norm / (total.norm().item() / (4 * k) + 1e-6))
+                               if n != 4 else None, f"divided by 4 x K: divide by N x K, and N is {n} here")])
+    if summed_norm:  # (clipped, a sum comes out close to the mean: the norm tells them apart)
+        wrong = f"the clipped shard: {sum_message}"
+    if wrong:
+        problems.append(wrong)
+    if got_norm is None or abs(got_norm - norm) > 1e-9 * norm:
+        problems.append(f"returned norm {got_norm}; the whole model's gradient norm before clipping is {norm:.10g}")
+    big = sorted(op for op in ledger.calls if op not in ("reduce_scatter", "all_reduce"))
+    if big:
+        problems.append(f"you called {', '.join(big)}: nothing needs gathering - each rank clips its own shard, with a "
+                        "norm made of one number from each rank")
+    if ledger.elements.get("all_reduce", 0) > 1:
+        problems.append(f"all-reduced {ledger.elements['all_reduce']} elements: the norm needs one number from each "
+                        "rank (its sum of squares), not its gradient")
+    if not ledger.calls.get("reduce_scatter"):
+        problems.append("no reduce-scatter: each rank's shard of the summed gradients comes from reduce-scattering them")
+    return problems
 
 
-def check_accumulate_and_clip(fn, world_size: int = 4, max_norm: float = 0.5, micro_batches: int = 3) -> Verdict:
+def check_accumulate_and_clip(fn, world_size: int = 4, max_norm: float = 0.5, micro_batches: int = 3,
+                              also: int | None = 3, numel: int = 4092) -> Verdict:
     """Exercise (chapter 12): `fn(micro_grads, max_norm) -> (grad_shard, norm)`. `micro_grads` are
     this rank's flat gradients of K micro-batches (each of its micro-batch's mean loss). Return
     this rank's chunk of the step's gradient - the mean over ranks and micro-batches - clipped as
     torch.nn.utils.clip_grad_norm_ would clip the whole model's gradient on one process, and the
-    norm before clipping. Communicate only what is needed: gradient shards, and one number each."""
+    norm before clipping. Communicate only what is needed: gradient shards, and one number each.
+    Checked on `world_size` ranks and on `also` (`numel` divides by both)."""
     title = "accumulation and global-norm clipping over shards"
-    pool = _pool(world_size)
-    res, err = _run(pool, _try_accumulate_and_clip, fn, max_norm, micro_batches, timeout=60)
-    if err:
-        return Verdict(title, [err])
     problems = []
-    for rank, r in enumerate(res):
-        got = r["got"]
-        if not isinstance(got, torch.Tensor) or got.shape != r["want"].shape:
-            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
-            problems.append(f"rank {rank}: returned {shape}; expected this rank's chunk, elements "
-                            f"{r['bounds'][0]}..{r['bounds'][1] - 1} ({r['want'].numel()} elements)")
-            continue
-        close = lambda t: torch.allclose(got, t, rtol=1e-10, atol=1e-13)  # noqa: E731
-        summed = isinstance(r["got_norm"], (int, float, torch.Tensor)) and any(
-            abs(float(r["got_norm"]) - f * r["norm"]) <= 1e-9 * f * r["norm"]
-            for f in {micro_batches, world_size, world_size * micro_batches} - {1})
-        if close(r["want"]) and not summed:
-            pass
-        elif summed:  # (clipped, a sum comes out close to the mean: the norm tells them apart)
-            problems.append(f"rank {rank}: a sum where the step needs the mean: divide by N = {world_size} ranks "
-                            f"x K = {micro_batches} micro-batches (before the norm is taken)")
-            continue
-        elif close(r["unclipped"]):
-            problems.append(f"rank {rank}: the gradient is not clipped (its global norm is {r['norm']:.4g} > {max_norm})")
-        elif close(r["unclipped"] * min(1.0, max_norm / (r["local_norm"] + 1e-6))):
-            problems.append(f"rank {rank}: clipped by the norm of its own shard ({r['local_norm']:.4g}), not the whole "
-                            f"model's ({r['norm']:.4g}): all-reduce each rank's sum of squares, then take the root")
-        elif close(r["want"] * micro_batches) or close(r["want"] * world_size) or close(r["want"] * world_size * micro_batches):
-            problems.append(f"rank {rank}: a sum where the step needs the mean: divide by N = {world_size} ranks "
-                            f"x K = {micro_batches} micro-batches (before the norm is taken)")
-        else:
-            problems += _compare("the clipped shard", rank, got, r["want"], torch.float64)
-        if r["got_norm"] is None or abs(float(r["got_norm"]) - r["norm"]) > 1e-9 * r["norm"]:
-            problems.append(f"rank {rank}: returned norm {r['got_norm']}; the whole model's gradient norm before "
-                            f"clipping is {r['norm']:.10g}")
-        big = {op: b for op, b in r["by_op"].items() if op not in ("reduce_scatter", "all_reduce")}
-        if big:
-            problems.append(f"rank {rank} called {', '.join(big)}: nothing needs gathering - each rank clips its own "
-                            "shard, with a norm made of one number from each rank")
-        if r["by_op"].get("all_reduce", 0) > 64:
-            problems.append(f"rank {rank} all-reduced {r['by_op']['all_reduce']} bytes: the norm needs one number from "
-                            "each rank (its sum of squares), not its gradient")
-    return Verdict(title, problems, [f"checked on {world_size} ranks, {micro_batches} micro-batches of 4096 float64 "
-                                     f"gradients each, max_norm {max_norm}, against clip_grad_norm_'s rule"])
+    for pool in each_pool(world_size, also):
+        res, err = _run(pool, _try_accumulate_and_clip, fn, max_norm, micro_batches, numel, timeout=60)
+        if err:
+            return Verdict(title, [f"on {pool.world_size} ranks: {err}"])
+        problems += [f"on {pool.world_size} ranks, {p}" for p in by_rank(dict(enumerate(res)), pool.world_size)]
+        if problems:
+            break
+    sizes = " and ".join(map(str, [world_size] + ([also] if also and also != world_size else [])))
+    return Verdict(title, problems, [f"checked on {sizes} ranks, {micro_batches} micro-batches of {numel} float64 "
+                                     f"gradients each, max_norm {max_norm}, against clip_grad_norm_'s rule, with "
+                                     "the collectives each rank called"])
