@@ -99,6 +99,51 @@ def tensor_bytes(tensors) -> int:
     return total
 
 
+def reachable_tensors(*roots, limit: int = 200_000) -> list:
+    """Every tensor reachable from `roots` (an engine, a model, an optimizer, ...) by following
+    object attributes, containers, closures and each tensor's `.grad`: what a rank really holds
+    through them, found from outside, not from an inventory the code keeps of itself. A tensor that
+    no list names (a second copy of the gradients, a buffer a hook closes over) is found all the
+    same. It does not follow into modules, classes or a function's globals (the rest of the
+    program), nor into tensors' autograd graphs. `tensor_bytes` of the result is what they hold."""
+    import gc
+    import types
+
+    skip = (type, types.ModuleType, types.FrameType, types.CodeType, str, bytes, int, float, bool)
+    seen, found, todo = set(), [], list(roots)
+    while todo and len(seen) < limit:
+        obj = todo.pop()
+        if obj is None or id(obj) in seen or isinstance(obj, skip):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+            if obj.grad is not None:
+                todo.append(obj.grad)
+            continue
+        if isinstance(obj, (types.FunctionType, types.MethodType)):  # a hook: what it closes over, its self
+            todo += [c.cell_contents for c in (getattr(obj, "__closure__", None) or ()) if _filled(c)]
+            todo += [getattr(obj, "__self__", None)] + list(getattr(obj, "__defaults__", None) or ())
+            continue
+        if isinstance(obj, torch.optim.Optimizer):
+            todo += [obj.state, obj.param_groups]
+        todo += gc.get_referents(obj)
+    return found
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+        return True
+    except ValueError:  # an empty cell
+        return False
+
+
+def held_bytes(*roots) -> int:
+    """Bytes of every storage reachable from `roots` (reachable_tensors), each counted once."""
+    return tensor_bytes(reachable_tensors(*roots))
+
+
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list:
     """Every tensor an optimizer keeps in its state (Adam: exp_avg, exp_avg_sq; a step counter)."""
     out = []
