@@ -7,6 +7,7 @@ the trace of each ring step.
     ledger.bytes_sent, ledger.by_op       # logical: {"all_reduce": ..., "ring_all_reduce": ...}
     ledger.calls, ledger.elements         # per op: how many calls, how many elements they were handed
     ledger.sent_to, ledger.received_from  # point-to-point: bytes per peer (its rank in the op's group)
+    ledger.payloads                       # with payloads=True: a copy of what each send carried
     ledger.wire_bytes                     # what this rank's gloo connections really sent (TCP_INFO)
     ledger.events                         # one event per ring step (send and receive sides)
 
@@ -142,8 +143,9 @@ class CommLedger(TorchDispatchMode):
     """Counts the bytes this rank sends while the context is open (see the module docstring):
     logically, per collective, always; on the wire too with `wire=True` (`wire_bytes`)."""
 
-    def __init__(self, wire: bool = False):
+    def __init__(self, wire: bool = False, payloads: bool = False):
         super().__init__()
+        self.payloads: list[dict] = [] if payloads else None  # {"dst", "values"} of each send, in order
         self.by_op: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
         self.elements: dict[str, int] = defaultdict(int)  # handed to each call (a collective's full size)
@@ -191,6 +193,8 @@ class CommLedger(TorchDispatchMode):
         if opname in ("send", "recv_"):  # (tensors, group, peer, tag)
             peers = self.sent_to if opname == "send" else self.received_from
             peers[args[2]] += _nbytes(args[0])
+            if opname == "send" and self.payloads is not None:  # what the send carries, as it is posted
+                self.payloads.append({"dst": args[2], "values": [t.detach().cpu().clone() for t in args[0]]})
         if opname == "send":
             name, nbytes, numel = scope or "send", _nbytes(args[0]), _numel(args[0])
         elif opname in _COLLECTIVES:
@@ -212,7 +216,7 @@ class CommLedger(TorchDispatchMode):
         """Plain data to send back to the notebook."""
         return {"bytes_sent": self.bytes_sent, "by_op": dict(self.by_op), "calls": dict(self.calls),
                 "elements": dict(self.elements), "sent_to": dict(self.sent_to),
-                "received_from": dict(self.received_from),
+                "received_from": dict(self.received_from), "payloads": self.payloads,
                 "wire_bytes": self.wire_bytes, "wire_by_node": self.wire_by_node, "events": list(self.events)}
 
 
@@ -253,23 +257,28 @@ def record(**event) -> None:
 class RingTracer:
     """What the ring's pipeline (zeronb.collectives.ring) tells about each step, recorded as a
     send and a receive event in every open ledger: who sent which chunk to whom, how many bytes,
-    from the step's first send to its last receive (chapter 4's pictures)."""
+    from the step's first send to the arrival of its last segment, and whether the step before
+    was still arriving when this one began - asked of the receives themselves (`is_completed`),
+    not read from the order of the code (chapter 4's pictures)."""
 
     def __init__(self, op: str, me: int, nxt: int, prv: int):
         self.op, self.me, self.nxt, self.prv = op, me, nxt, prv
-        self.started, self.steps_in_phase = {}, {}
+        self.started, self.steps_in_phase, self.overlapped = {}, {}, {}
 
-    def sending(self, i: int, device) -> None:
-        """Step i's first segment is about to go out (from a tensor on `device`)."""
+    def sending(self, i: int, device, previous_receives=()) -> None:
+        """Step i's first segment is about to go out (from a tensor on `device`); `previous_receives`:
+        the works of step i-1's receives not yet waited for."""
         if i not in self.started:
             self.started[i] = now(device)
+            self.overlapped[i] = None if i == 0 else any(not w.is_completed() for w in previous_receives)
 
     def done(self, i: int, *, phase: str, send_chunk: int, recv_chunk: int, nbytes: int, device) -> None:
         """Step i's last segment has arrived (and been added): it sent chunk `send_chunk` to the next
         rank and received `nbytes` of chunk `recv_chunk` from the previous one, in `phase`."""
         in_phase = self.steps_in_phase.get(phase, 0)  # steps count from 0 in each phase
         self.steps_in_phase[phase] = in_phase + 1
-        common = dict(op=self.op, phase=phase, step=in_phase, bytes=nbytes, start=self.started[i], end=now(device))
+        common = dict(op=self.op, phase=phase, step=in_phase, bytes=nbytes, start=self.started[i], end=now(device),
+                      previous_still_arriving=self.overlapped[i])
         record(kind="send", src=self.me, dst=self.nxt, chunk=send_chunk, **common)
         record(kind="recv", src=self.prv, dst=self.me, chunk=recv_chunk, **common)
 

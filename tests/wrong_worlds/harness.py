@@ -23,7 +23,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent))
 
-from wrong_worlds import CHECKS, WORLDS  # noqa: E402
+from wrong_worlds import WORLDS  # noqa: E402
 
 
 def check_cells(nb) -> dict:

@@ -138,8 +138,9 @@ def _run_ring(steps, segment_bytes: int, group=None, trace=None) -> None:
     has finished: step i's send is waited for before step i+2's receive is posted. (One case needs
     an argument rather than a wait: with 2 ranks, the first all-gather receive lands in the chunk
     the first reduce-scatter step sent. The neighbour fills it with a sum it can only finish after
-    it has received every byte of that send.) `trace`: told when each step starts sending and
-    when it is done (zeronb.ledger.RingTracer), or None."""
+    it has received every byte of that send.) `trace`: told when each step starts sending (with the
+    previous step's receives, whose completion it may query) and when its last segment has arrived
+    (zeronb.ledger.RingTracer), or None."""
     if not steps or steps[0].recv.numel() == 0:
         return
     rank, n = world(group)
@@ -155,8 +156,9 @@ def _run_ring(steps, segment_bytes: int, group=None, trace=None) -> None:
         if recv_step is not None:
             ops.append(dist.P2POp(dist.irecv, steps[recv_step].recv[a:b], prv, group))
         if send_step is not None:
-            if trace:
-                trace.sending(send_step, steps[send_step].send.device)
+            if trace:  # (and the previous step's receives, to ask whether they are still arriving)
+                trace.sending(send_step, steps[send_step].send.device,
+                              [w for (j, _), w in recvs.items() if j == send_step - 1])
             ops.append(dist.P2POp(dist.isend, steps[send_step].send[a:b], nxt, group))
         works = dist.batch_isend_irecv(ops)
         if recv_step is not None:
@@ -176,6 +178,9 @@ def _run_ring(steps, segment_bytes: int, group=None, trace=None) -> None:
                 torch.add(step.add_to[a:b], step.recv[a:b], out=step.out[a:b])
                 if step.divide:
                     step.out[a:b].div_(step.divide)
+            if trace and k == len(segments) - 1:  # the step's last segment has arrived (and been added)
+                trace.done(i, phase=step.phase, send_chunk=step.send_chunk, recv_chunk=step.recv_chunk,
+                           nbytes=step.recv.numel() * step.recv.element_size(), device=step.recv.device)
             later = i + ahead if i + ahead < len(steps) else None
             if ahead == 1:  # NCCL: this step's send and receive are done, the next go out together
                 sends.pop((i, k)).wait()
@@ -187,9 +192,6 @@ def _run_ring(steps, segment_bytes: int, group=None, trace=None) -> None:
             if later is not None:
                 sends.pop((i, k)).wait()  # its buffer may be the next receive's (a work is waited for once)
                 post(k, recv_step=later)
-        if trace:
-            trace.done(i, phase=step.phase, send_chunk=step.send_chunk, recv_chunk=step.recv_chunk,
-                       nbytes=step.recv.numel() * step.recv.element_size(), device=step.recv.device)
     for work in sends.values():
         work.wait()
 

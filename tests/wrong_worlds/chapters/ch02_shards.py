@@ -1,24 +1,8 @@
-"""The chapters' check cells and the wrong worlds each must reject.
-
-A world's `plant` runs in every process of the chapter (the kernel and every rank) before zeronb is
-imported: it patches zeronb, or torch as zeronb calls it, through planting.replace/when_imported.
-Each world breaks one claim a check cell states; a check cell is listed with what it asserts."""
+"""Chapter 2, shards: its check cells and their wrong worlds."""
 from __future__ import annotations
 
-from . import World
-from .planting import replace, when_imported
-
-CHECKS: dict[str, dict[str, str]] = {}
-WORLDS: list[World] = []
-
-
-def chapter(name: str, checks: dict[str, str]) -> None:
-    CHECKS[name] = checks
-
-
-def world(chapter: str, name: str, breaks: str, rejected_by, plant) -> None:
-    WORLDS.append(World(name, chapter, breaks, tuple([rejected_by] if isinstance(rejected_by, str) else rejected_by),
-                        plant))
+from ..planting import replace, when_imported
+from . import chapter, world
 
 
 # --- chapter 2: shards ---------------------------------------------------------------------------------
