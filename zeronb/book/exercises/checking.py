@@ -87,10 +87,14 @@ def each_pool(world_size: int, also: int | None):
                 yield other
 
 
-def _run(pool, fn, *args, timeout=10):
+DEADLOCK_HINT = "does every rank post its receive while the others send (batch_isend_irecv)?"
+
+
+def _run(pool, fn, *args, timeout=10, hint=DEADLOCK_HINT):
     """Run on the ranks; turn a crash or a hang into a verdict line instead of an exception. The
     collectives' exercises move a few KiB, done in milliseconds even on a busy machine: 10 s without
-    an answer is a deadlock (the engines' exercises, which train, allow longer)."""
+    an answer is a deadlock (the engines' exercises, which train, allow longer). `hint`: what to ask
+    the learner about a deadlock."""
     try:
         return pool.run(fn, *args, timeout=timeout, echo=False), None
     except RankTimeout as e:
@@ -98,10 +102,9 @@ def _run(pool, fn, *args, timeout=10):
         for r, stack in sorted(e.stacks.items()):
             frames = re.findall(r", in (\w+)", stack)
             where.setdefault(frames[-1] if frames else "?", []).append(r)
-        blocked = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} in {fn}()"
-                            for fn, rs in where.items())
-        return None, (f"your function did not finish within {timeout:g} s, a deadlock ({blocked}): does every rank "
-                      "post its receive while the others send (batch_isend_irecv)?")
+        blocked = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} in {frame}()"
+                            for frame, rs in where.items())
+        return None, f"your function did not finish within {timeout:g} s, a deadlock ({blocked}): {hint}"
     except RankError as e:
         r = e.failed[0]
         last = [ln for ln in e.tracebacks[r].strip().splitlines() if ln.strip()][-1]

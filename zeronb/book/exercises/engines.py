@@ -55,7 +55,8 @@ def _mlp_and_reference(steps: int = 2, local: list | None = None):
 def _verdict_from_ranks(title, try_on_rank, fn, world_size, what, *args) -> Verdict:
     """Run `try_on_rank(fn, *args)` on the ranks (each returns its list of problems) and say what was found."""
     pool = _pool(world_size)
-    res, err = _run(pool, try_on_rank, fn, *args, timeout=60)
+    res, err = _run(pool, try_on_rank, fn, *args, timeout=60,
+                    hint="does every rank call the same collectives, in the same order, on tensors of the same size?")
     if err:
         return Verdict(title, [err])
     problems = by_rank(dict(enumerate(res)), pool.world_size)
