@@ -249,3 +249,10 @@ def saved_activations_per_module(modules, exclude=()):
     finally:
         for h in handles:
             h.remove()
+
+
+def resident_bytes(*roots) -> int:
+    """Bytes of every storage reachable from `roots` (reachable_tensors), each counted once, less
+    tensors on the "meta" device, which have a size and no memory (DeepSpeed keeps one per
+    parameter as a template of its layout): what a rank really holds through them."""
+    return tensor_bytes([t for t in reachable_tensors(*roots) if t.device.type != "meta"])

@@ -5,7 +5,8 @@
 
 Every number is the run's own: parity against one process on the whole batch (parameters, and the
 averaged gradients each rank's optimizer stepped with), the bytes rank 0's tensors hold (zeronb's
-memory.measure over each implementation's own tensors) against the ZeRO formula, the bytes the OS
+memory.measure over the tensors each implementation lists, `held`; every storage reachable from it,
+swept from outside, `swept`) against the ZeRO formula, the bytes the OS
 counted on rank 0's connections in the watched step, and the median step time over interleaved
 rounds, with its range.
 
@@ -41,7 +42,7 @@ def side_by_side(pool, config: RunConfig, impls=IMPLEMENTATIONS, rounds: int = 3
             "impl": impl, "stage": config.stage,
             "param_diff": max_diff(last.params, ref.params),
             "grad_diff": grad_diff(last.ranks, ref.ranks[0]) if config.clip_norm is None else None,
-            "held": sum(r0.bytes.values()), "held_by_role": dict(r0.bytes),
+            "held": sum(r0.bytes.values()), "held_by_role": dict(r0.bytes), "swept": r0.swept_bytes,
             "formula": sum(r0.expected_bytes.values()), "formula_by_role": dict(r0.expected_bytes),
             "wire": r0.wire_bytes_per_step, "credited": dict(r0.sent_bytes_per_step),
             "calls": dict(r0.calls_per_step), "elements": dict(r0.elements_per_step or {}),
@@ -51,19 +52,22 @@ def side_by_side(pool, config: RunConfig, impls=IMPLEMENTATIONS, rounds: int = 3
     return rows
 
 
-def implementations_table(rows):
-    """The rows of `side_by_side` as an HTML table."""
+def implementations_table(rows, swept: bool = False):
+    """The rows of `side_by_side` as an HTML table. What rank 0 holds is what each implementation's
+    tensors list (`held`), or with `swept` every storage reachable from it, found from outside."""
     from .display import kib, table  # (inside: display imports IPython)
 
     def name(r):
         return NAMES[r["impl"]] + (f" ({TORCH_NAMES[r['stage']]})" if r["impl"] == "torch" else "")
 
+    held = "swept" if swept else "held"
     return table(
-        ["implementation", "max |param diff| vs 1 process", "max |grad diff|", "rank 0 holds (KiB)",
+        ["implementation", "max |param diff| vs 1 process", "max |grad diff|",
+         "rank 0 holds, swept (KiB)" if swept else "rank 0 holds (KiB)",
          "ZeRO formula (KiB)", "held / formula", "wire KiB / step (OS count)", "collectives credited",
          "step ms (median, range)"],
         [[name(r), f"{r['param_diff']:.1e}", "-" if r["grad_diff"] is None else f"{r['grad_diff']:.1e}",
-          kib(r["held"]), kib(r["formula"]), f"{r['held'] / r['formula']:.2f}",
+          kib(r[held]), kib(r["formula"]), f"{r[held] / r['formula']:.2f}",
           "-" if r["wire"] is None else kib(r["wire"]),
           ", ".join(f"{op} {kib(b) + ' KiB' if b >= 1024 else f'{b} B'}" for op, b in sorted(r["credited"].items())),
           f"{r['step_ms']:.1f} ({r['step_ms_range'][0]:.1f}-{r['step_ms_range'][1]:.1f})"] for r in rows])

@@ -78,7 +78,8 @@ def train_rank(config: RunConfig, build=None) -> RankReport:
         timeline=timeline.spans() if timeline else None, events=timeline.records() if timeline else None,
         timeline_origin=timeline.origin if timeline else None, memory_trace=traced[1].notes if traced else None,
         phases=traced[2].phases if traced else None,
-        params={k: v.cpu() for k, v in stage.full_parameters().items()}, **memory.cuda_memory(dev))
+        params={k: v.cpu() for k, v in stage.full_parameters().items()}, swept_bytes=memory.resident_bytes(stage),
+        **memory.cuda_memory(dev))
     stage.close()  # (a pool's rank lives on: DeepSpeed's engine lets go of its hooks and buffers)
     return report
 

@@ -224,7 +224,8 @@ class RankReport:
     steps_taken: int                 # fewer than steps after a resume
     final_loss: float                # of the global batch (the ranks' local losses, averaged)
     step_ms: float                   # median of the unobserved steps after the first (warm-up); with fewer steps, what ran
-    bytes: dict                      # {"params", "grads", "optimizer"}: storage the rank holds (zeronb.memory.measure)
+    bytes: dict                      # {"params", "grads", "optimizer"}: storage the rank holds (zeronb.memory.measure
+                                     # of the stage's own list of its tensors, state_tensors)
     expected_bytes: dict             # what zeronb.memory's formula says it should
     sent_bytes_per_step: dict        # logical bytes per collective (zeronb.ledger)
     calls_per_step: dict
@@ -244,6 +245,8 @@ class RankReport:
     memory_trace: Optional[list] = None  # with trace: (event, key, bytes held) at each event of the last step
     phases: Optional[dict] = None    # with trace: the last step's traffic by phase (zeronb.zero.observe.PhaseTraffic)
     params: Optional[dict] = None    # {name: full tensor} after training
+    swept_bytes: Optional[int] = None  # every storage reachable from the stage, found from outside, not from its
+                                       # own list (zeronb.memory.resident_bytes): what it really holds between steps
 
     @property
     def sent_bytes(self) -> int:

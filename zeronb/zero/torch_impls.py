@@ -17,7 +17,9 @@ each parallelism in its own function); `torch_stage(model, stage, config)` picks
 
 DDP all-reduces from C++, out of sight of zeronb.ledger; a communication hook that calls
 dist.all_reduce from Python (what DDP's default hook does: divide by N, then all-reduce the sum)
-makes it visible.
+makes it visible. The same hook keeps a reference to the reducer's bucket buffers (C++ too), so
+that a sweep of what the stage holds (zeronb.memory.resident_bytes) counts them; `state_tensors`
+lists each parameter's `.grad` only.
 """
 from __future__ import annotations
 
@@ -48,14 +50,30 @@ from .stage import Stage
 HPZ_NEEDS = "hpz is stage 3's, and needs a pool on several nodes"
 
 
+class _HookState:
+    """What `_allreduce_hook` is handed: the reduce dtype and group, and `buckets`, the flat buffers
+    of DDP's reducer as the hook was last handed them ({bucket index: tensor}). The reducer keeps
+    them in C++, where no sweep of Python objects reaches; held here (they are the reducer's own
+    tensors: no copy), they are counted with everything else the stage holds. With DDP's default
+    `gradient_as_bucket_view=False` they are a second copy of the gradients, beside each `.grad`."""
+
+    def __init__(self, reduce_dtype, group):
+        self.reduce_dtype, self.group, self.buckets = reduce_dtype, group, {}
+
+
 def _allreduce_hook(state, bucket):
     """DDP's communication as its Python default hook does it (default_hooks.allreduce_hook in
     torch.distributed.algorithms.ddp_comm_hooks: divide by N, all-reduce the sum; with no hook
     registered, DDP's C++ reducer instead scales by 1/N while copying each gradient into its bucket,
     the same bits for N a power of two), from Python so that the ledger counts it; in the reduce dtype
-    of `state` (reduce_dtype, group) if one is given, as its bf16_compress_hook does."""
-    reduce_dtype, group = state
+    of `state` (a _HookState) if one is given, as its bf16_compress_hook does. It notes the bucket's
+    buffer in `state.buckets` (the reducer hands its buckets over in index order: bucket 0 begins a
+    backward)."""
     buf = bucket.buffer()
+    if bucket.index() == 0:
+        state.buckets.clear()
+    state.buckets[bucket.index()] = buf
+    reduce_dtype, group = state.reduce_dtype, state.group
     n = dist.get_world_size(group)
     send = buf.div_(n) if reduce_dtype in (None, buf.dtype) else buf.to(reduce_dtype).div_(n)
     work = dist.all_reduce(send, group=group, async_op=True).get_future()
@@ -126,7 +144,8 @@ class TorchDDP(TorchStage):
         group = None if self.replica_group is not None else self.shard_group  # every replica averages
         self.wrapped = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
                                                process_group=group)
-        self.wrapped.register_comm_hook((self.config.reduce_dtype, group), _allreduce_hook)
+        self.comm_state = _HookState(self.config.reduce_dtype, group)  # (its buckets: swept with the stage)
+        self.wrapped.register_comm_hook(self.comm_state, _allreduce_hook)
         self.optimizer = self.make_optimizer()
         self.claim_model()
 

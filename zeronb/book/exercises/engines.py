@@ -1,6 +1,6 @@
 """Checkers for the exercises that build the stages: the learner's hooks run inside real training
 steps on the ranks - bucketed DDP (chapter 7), ZeRO-2's reduce-scatter hooks (chapter 9), ZeRO-3's
-gather and free for one unit (chapter 10), accumulation with global-norm clipping (chapter 12).
+gather and free for one unit (chapter 10).
 Each grades the method as well as the values: the collectives called, what was held when, whether
 backward went on while a bucket was in flight, the parameters a layer computed with.
 """
@@ -12,9 +12,9 @@ from ...ledger import CommLedger
 from ...memory import tensor_bytes
 from ...models import Config, local_batch, make_model
 from ...runtime.backend import device
-from ...shards import chunk_bounds
+from ...runtime.compat import default_store
 from ...zero.buckets import Bucket
-from .checking import Verdict, _inputs, _pool, _run, by_rank, collectives_made, each_pool, what_is_wrong
+from .checking import Verdict, _pool, _run, by_rank, collectives_made, what_is_wrong
 
 # The MLP the engines' exercises train: its layers (2145, 4290, 4290 and 1056 elements) do not all
 # divide by 4, so their flat buffers are padded, as real ones are.
@@ -75,8 +75,6 @@ def _try_bucketed_ddp(fn, token):
     import datetime
 
     import torch.distributed as dist
-
-    from ...runtime.compat import default_store
 
     model, batches, reference = _mlp_and_reference()
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -386,77 +384,3 @@ def check_zero3_unit(fn, world_size: int = 4) -> Verdict:
     return _verdict_from_ranks("ZeRO-3 unit", _try_zero3_unit, fn, world_size,
                                "one step of the MLP in float64: what the unit holds before and after forward and "
                                "backward, its gradient shard, its collectives")
-
-
-def _try_accumulate_and_clip(fn, max_norm, k, numel):
-    import torch.distributed as dist
-
-    rank, n = dist.get_rank(), dist.get_world_size()
-    # K micro-batch gradients of this rank (each of its micro-batch's mean loss), flat and padded
-    micro = [_inputs(1000 * i + rank, numel, torch.float64) for i in range(k)]
-    everyone = [[_inputs(1000 * i + r, numel, torch.float64) for i in range(k)] for r in range(n)]
-    total = torch.stack([torch.stack(g).sum(0) for g in everyone]).sum(0)
-    mean = total / (n * k)                                          # the step's gradient
-    norm = mean.norm().item()
-    scale = min(1.0, max_norm / (norm + 1e-6))                      # clip_grad_norm_'s rule
-    a, b = chunk_bounds(numel, n, rank)
-    want, unclipped = mean[a:b] * scale, mean[a:b]
-    with CommLedger() as ledger:
-        out = fn([g.clone() for g in micro], max_norm)
-    got_norm = None
-    if isinstance(out, tuple) and len(out) == 2:
-        out, got_norm = out
-    if isinstance(got_norm, torch.Tensor):
-        got_norm = got_norm.item() if got_norm.numel() == 1 else None
-    problems = []
-    summed_norm = isinstance(got_norm, float) and any(abs(got_norm - f * norm) <= 1e-9 * f * norm
-                                                      for f in {k, n, n * k} - {1})
-    own = unclipped * min(1.0, max_norm / (unclipped.norm().item() + 1e-6))
-    sum_message = f"a sum where the step needs the mean: divide by N x K = {n} x {k} (before the norm is taken)"
-    wrong = what_is_wrong("the clipped shard", out.cpu() if isinstance(out, torch.Tensor) else out, want.cpu(),
-                          torch.float64, known=[
-                              (unclipped, f"not clipped (the global norm is {norm:.4g} > max_norm {max_norm})"),
-                              (own, "clipped by the norm of this rank's own shard, not the whole model's: all-reduce "
-                                    "each rank's sum of squares, then take the root"),
-                              (want * k, sum_message), (want * n, sum_message), (want * n * k, sum_message),
-                              (total[a:b] / (4 * k) * min(1.0, max_norm / (total.norm().item() / (4 * k) + 1e-6))
-                               if n != 4 else None, f"divided by 4 x K: divide by N x K, and N is {n} here")])
-    if summed_norm:  # (clipped, a sum comes out close to the mean: the norm tells them apart)
-        wrong = f"the clipped shard: {sum_message}"
-    if wrong:
-        problems.append(wrong)
-    if got_norm is None or abs(got_norm - norm) > 1e-9 * norm:
-        problems.append(f"returned norm {got_norm}; the whole model's gradient norm before clipping is {norm:.10g}")
-    big = sorted(op for op in ledger.calls if op not in ("reduce_scatter", "all_reduce"))
-    if big:
-        problems.append(f"you called {', '.join(big)}: nothing needs gathering - each rank clips its own shard, with a "
-                        "norm made of one number from each rank")
-    if ledger.elements.get("all_reduce", 0) > 1:
-        problems.append(f"all-reduced {ledger.elements['all_reduce']} elements: the norm needs one number from each "
-                        "rank (its sum of squares), not its gradient")
-    if not ledger.calls.get("reduce_scatter"):
-        problems.append("no reduce-scatter: each rank's shard of the summed gradients comes from reduce-scattering them")
-    return problems
-
-
-def check_accumulate_and_clip(fn, world_size: int = 4, max_norm: float = 0.5, micro_batches: int = 3,
-                              also: int | None = 3, numel: int = 4092) -> Verdict:
-    """Exercise (chapter 12): `fn(micro_grads, max_norm) -> (grad_shard, norm)`. `micro_grads` are
-    this rank's flat gradients of K micro-batches (each of its micro-batch's mean loss). Return
-    this rank's chunk of the step's gradient - the mean over ranks and micro-batches - clipped as
-    torch.nn.utils.clip_grad_norm_ would clip the whole model's gradient on one process, and the
-    norm before clipping. Communicate only what is needed: gradient shards, and one number each.
-    Checked on `world_size` ranks and on `also` (`numel` divides by both)."""
-    title = "accumulation and global-norm clipping over shards"
-    problems = []
-    for pool in each_pool(world_size, also):
-        res, err = _run(pool, _try_accumulate_and_clip, fn, max_norm, micro_batches, numel, timeout=60)
-        if err:
-            return Verdict(title, [f"on {pool.world_size} ranks: {err}"])
-        problems += [f"on {pool.world_size} ranks, {p}" for p in by_rank(dict(enumerate(res)), pool.world_size)]
-        if problems:
-            break
-    sizes = " and ".join(map(str, [world_size] + ([also] if also and also != world_size else [])))
-    return Verdict(title, problems, [f"checked on {sizes} ranks, {micro_batches} micro-batches of {numel} float64 "
-                                     f"gradients each, max_norm {max_norm}, against clip_grad_norm_'s rule, with "
-                                     "the collectives each rank called"])
