@@ -51,18 +51,30 @@ def key(stage, where):
 
 
 class Timeline:
-    """When each event happened on this rank, and when each collective in flight finished.
+    """When each event happened on this rank, and when each collective in flight completed.
 
-    On the CPU a stamp is time.perf_counter() at the call, and a collective's end is stamped by a
-    callback on its future, which runs when the backend has completed it. On a GPU a stamp is a
-    CUDA event recorded on the current stream: it marks when the GPU reaches that point of the
-    queued work, not when Python got there; a collective's end is an event recorded on a stream of
-    the timeline's own that waits for the collective, so the stage's streams never wait for the
-    timeline. Nothing is synchronised during the step: the stamps are read afterwards.
+    On the CPU a stamp is time.perf_counter() at the call. On a GPU a stamp is a CUDA event recorded
+    on the current stream: it marks when the GPU reaches that point of the queued work, not when
+    Python got there. Nothing is synchronised during the step: the stamps are read afterwards.
+
+    When a collective completed is asked of the collective itself, never read from the order of the
+    code. An all-gather is *issued* at its "all-gather" event, and may move its bytes any time until
+    the stage waits for it ("gathered"). At every event in between, on the CPU, the timeline asks
+    it whether it has completed (`work.is_completed()`, a query that waits for nothing), so that a
+    gather that completes while the rank does something else is seen complete at the first event
+    after it did: its span ends there. One that had not completed when the stage came to wait for
+    it - the stage *waited* - ends when the wait returned, and gets a "wait" span besides, from the
+    last event before the wait to its return: time the rank spent waiting for it. (A backend that
+    moved no byte until the wait would show every gather waited for.) On a GPU the completion is a
+    CUDA event recorded on a stream of the timeline's own that waits for the collective (so the
+    stage's streams never wait for the timeline), and the stage waited if that event comes after
+    the last event before the wait on the compute stream. A DDP all-reduce's end is a callback on
+    its future (or the stage's wait, if that came first).
 
     `records()`: [(event, key, seconds since the step began)], in the order of the calls.
     `spans()`: [(what, key, start, end)] - "forward" / "backward" of a unit, "all-gather (forward)"
-    or "(backward)" from its issue to its completion, "reduce-scatter", "all-reduce" of a bucket."""
+    or "(backward)" from its issue to its completion, "wait" for an all-gather (above),
+    "reduce-scatter", "all-reduce" of a bucket."""
 
     def __init__(self, device):
         self.device = torch.device(device)
@@ -72,6 +84,7 @@ class Timeline:
 
     def reset(self) -> None:
         self._marks, self._ends, self._futures, self._phase = [], [], [], "forward"
+        self._gathers, self._in_flight = [], []  # every all-gather of the step; those not yet complete
 
     def _stamp(self, stream=None):
         if not self.cuda:
@@ -88,13 +101,39 @@ class Timeline:
         k = key(stage, where)
         name = f"{event} ({self._phase})" if event == "all-gather" else event
         self._marks.append((name, k, self._stamp()))
-        if event in ("all-gather", "all-reduce") and where.work is not None:  # (a Bucket or Unit in flight)
-            self._when_done(name, k, where.work)
+        i = len(self._marks) - 1
+        if not self.cuda:  # every gather in flight: has it completed by now?
+            for g in [g for g in self._in_flight if _completed(g["work"])]:
+                g["complete"] = i
+                self._in_flight.remove(g)
+        if event == "all-gather" and where.work is not None:  # (a Unit in flight)
+            gather = {"name": name, "key": k, "issued": i, "complete": None, "gathered": None,
+                      "work": where.work, "end": None}
+            self._gathers.append(gather)
+            self._in_flight.append(gather)
+            if self.cuda:
+                self._when_done(gather, where.work)
+        elif event == "gathered":
+            gather = next((g for g in self._gathers if g["key"] == k and g["gathered"] is None), None)
+            if gather is not None:
+                gather["gathered"] = i
+                gather["work"] = None  # (the step's works are not kept past it)
+                if gather in self._in_flight:  # never seen complete before the wait: complete now
+                    gather["complete"] = i
+                    self._in_flight.remove(gather)
+        elif event == "all-reduce" and where.work is not None:  # (a Bucket in flight: DDP)
+            self._when_reduced(name, k, where.work)
 
-    def _when_done(self, name, k, work):
+    def _when_done(self, gather, work):
+        """On a GPU: an event on the timeline's own stream, once that stream has waited for `work`."""
+        with torch.cuda.stream(self._side):
+            work.wait()  # this stream waits for the collective; the CPU does not
+            gather["end"] = self._stamp(self._side)
+
+    def _when_reduced(self, name, k, work):
         if self.cuda:
             with torch.cuda.stream(self._side):
-                work.wait()  # this stream waits for the collective; the CPU does not
+                work.wait()
                 self._ends.append((name, k, self._stamp(self._side)))
             return
         try:
@@ -110,45 +149,67 @@ class Timeline:
         time.perf_counter(), one clock for every process of a machine; None on a GPU."""
         return self._marks[0][2] if self._marks and not self.cuda else None
 
-    def _seconds(self, marks):
-        """The marks with their times in seconds since the first mark of the step."""
-        torch.futures.wait_all(self._futures)  # every end callback has run
+    def _seconds(self, stamps):
+        """Stamps (perf_counter readings or CUDA events) as seconds since the first mark of the step."""
         if not self._marks:
             return []
         t0 = self._marks[0][2]
         if self.cuda:
             t0.synchronize()
-            for *_, e in marks:
+            for e in stamps:
                 e.synchronize()
-            return [(w, k, t0.elapsed_time(e) / 1e3) for w, k, e in marks]
-        return [(w, k, t - t0) for w, k, t in marks]
+            return [t0.elapsed_time(e) / 1e3 for e in stamps]
+        return [t - t0 for t in stamps]
 
     def records(self) -> list:
-        return self._seconds(self._marks)
+        times = self._seconds([t for *_, t in self._marks])
+        return [(w, k, t) for (w, k, _), t in zip(self._marks, times)]
+
+    def _gather_spans(self, marks) -> list:
+        """Each all-gather from its issue to its completion, and a "wait" where the stage waited for it."""
+        out = []
+        for g in self._gathers:
+            if g["gathered"] is None:  # (never waited for within the step: not drawn)
+                continue
+            issued, gathered = marks[g["issued"]][2], marks[g["gathered"]][2]
+            before_wait = marks[g["gathered"] - 1][2]  # the last event before the stage's wait
+            if self.cuda:
+                end = self._seconds([g["end"]])[0]
+                waited = end > before_wait
+            else:
+                end = marks[g["complete"]][2]
+                waited = g["complete"] == g["gathered"]
+            out.append((g["name"], g["key"], issued, min(end, gathered)))
+            if waited:
+                out.append(("wait", g["key"], before_wait, min(end, gathered) if self.cuda else gathered))
+        return out
 
     def spans(self) -> list:
-        marks, ends = self.records(), self._seconds(self._ends)
+        torch.futures.wait_all(self._futures)  # every end callback has run
+        marks = self.records()
         begun, out = {}, []
         for what, k, t in marks:
             if what in ("forward", "backward", "reduce-scatter"):
                 begun[what, k] = t
             elif what.endswith(" done") and (what[:-5], k) in begun:
                 out.append((what[:-5], k, begun.pop((what[:-5], k)), t))
-        # a collective runs from its issue to its completion; it was complete, at the latest, when the
+        out += self._gather_spans(marks)
+        # an all-reduce runs from its issue to its completion; it was complete, at the latest, when the
         # stage's wait for it returned (a completion callback may run a little after the waiter wakes)
         issued, waited = {}, {}  # (collective, key) -> times, oldest first
         for what, k, t in marks:
-            if what.startswith(("all-gather", "all-reduce")) and not what.endswith("done"):
+            if what == "all-reduce":
                 issued.setdefault((what, k), []).append(t)
                 waited.setdefault((what, k), []).append(None)
-            elif what in ("gathered", "all-reduce done"):
-                for (w, key), times in waited.items():
-                    if key == k and None in times:
+            elif what == "all-reduce done":
+                for (w, key_), times in waited.items():
+                    if key_ == k and None in times:
                         times[times.index(None)] = t
                         break
         completed = {}
-        for what, k, t in ends:
-            completed.setdefault((what, k), []).append(t)
+        ends = self._ends
+        for (what, k, t), s in zip(ends, self._seconds([t for *_, t in ends])):
+            completed.setdefault((what, k), []).append(s)
         for (what, k), starts in issued.items():
             done = completed.get((what, k), [])
             for i, start in enumerate(starts):
@@ -156,6 +217,14 @@ class Timeline:
                 if ends_i:
                     out.append((what, k, start, min(ends_i)))
         return sorted(out, key=lambda s: (s[2], s[3]))
+
+
+def _completed(work) -> bool:
+    """Whether a collective's work has completed, asked without waiting. (Under a dispatch mode, such
+    as a CommLedger, a collective returns its work boxed: unboxed here.)"""
+    if not hasattr(work, "is_completed"):
+        work = torch._C._distributed_c10d.Work.unbox(work)
+    return work.is_completed()
 
 
 class MemoryTrace:
