@@ -59,6 +59,25 @@ def test_exception_on_every_rank_keeps_the_pool(pair):
         pair.run(f, echo=False)
     assert e.value.failed == [0, 1] and not e.value.stacks
     assert pair.pids == pids  # nobody was blocked: no restart needed
+    assert e.value.exit_codes == {}  # every rank raised, reported, and lives on
+
+
+def test_a_rank_that_exits_after_reporting_its_error_is_reported(pair):
+    # rank 1 reports its error, then its process exits (as a torchrun worker's would): rank 0, waiting in
+    # the barrier, reads a closed connection. The exit is named, and the next call restarts the pool.
+    def f():
+        if dist.get_rank() == 1:
+            threading.Timer(0.2, os._exit, (3,)).start()  # once the error has been sent
+            raise ValueError("rank one reports, then exits")
+        dist.barrier()
+
+    pids = pair.pids
+    with pytest.raises(RankError) as e:
+        pair.run(f, echo=False)
+    assert e.value.exit_codes == {1: 3}, e.value.exit_codes
+    assert "then exited" in str(e.value) and "exited with status 3" in e.value.tracebacks[1]
+    assert list(pair.run(dist.get_rank, echo=False)) == [0, 1]
+    assert not set(pair.pids) & set(pids)  # restarted: the group had lost a rank
 
 
 def test_chained_exceptions_are_shown(pair):

@@ -28,9 +28,17 @@ def _time_collectives(nbytes: int, ops, impls, reps: int, segment_bytes: int) ->
     """Inside a rank: time each (op, impl) on a float32 tensor of `nbytes`, `reps` times,
     interleaved, each call alone between barriers. A time is the slowest rank's (a collective is
     done when every rank is done); the result is the median of each. `segment_bytes`: the ring's
-    segment size (zeronb.collectives.ring)."""
+    segment size (zeronb.collectives.ring).
+
+    The first round warms up and is not timed: each call runs once inside a CommLedger, which
+    counts what this rank sent in it - the sends it made (for the ring and the naive algorithm;
+    a built-in is credited by formula) and, under gloo, the bytes the OS saw leave on its TCP
+    connections. Returns {"seconds": {"op/impl": median}, "sent": {...}, "wire": {... or None}}."""
     import torch
     import torch.distributed as dist
+
+    from ..ledger import CommLedger
+    from ..runtime.backend import backend_for
 
     rank, n = dist.get_rank(), dist.get_world_size()
     numel = nbytes // 4
@@ -53,21 +61,30 @@ def _time_collectives(nbytes: int, ops, impls, reps: int, segment_bytes: int) ->
     if nbytes % (4 * n):
         raise ValueError(f"sizes must divide evenly over {n} ranks (torch's single-tensor collectives need it)")
     times = {(op, impl): [] for op in ops for impl in impls}
+    sent, wire = {}, {}
+    on_wire = backend_for(full) == "gloo"  # the OS counts gloo's TCP traffic (not NCCL's)
     for rep in range(reps + 1):  # the first round warms up (connections, allocations)
         order = list(times)
         order = order[rep % len(order):] + order[:rep % len(order)]  # rotate: no fixed position
         for key in order:
             dist.barrier()
+            if not rep:  # the warm-up: what this rank sends in each call, counted (not timed)
+                with CommLedger(wire=on_wire) as ledger:
+                    calls[key]()
+                sent[key], wire[key] = ledger.bytes_sent, ledger.wire_bytes
+                full.normal_()
+                continue
             t0 = time.perf_counter()
             calls[key]()
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=dev)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            if rep:
-                times[key].append(t.item())
+            times[key].append(t.item())
             full.normal_()  # keep values bounded across repeated in-place sums
-    return {f"{op}/{impl}": statistics.median(v) for (op, impl), v in times.items()}
+    return {"seconds": {f"{op}/{impl}": statistics.median(v) for (op, impl), v in times.items()},
+            "sent": {f"{op}/{impl}": v for (op, impl), v in sent.items()},
+            "wire": {f"{op}/{impl}": v for (op, impl), v in wire.items()}}
 
 
 def memcpy_bandwidth(nbytes: int = 64 << 20, reps: int = 5, device="cpu", to=None) -> float:
@@ -144,9 +161,11 @@ def collectives(world_sizes=(2, 4), sizes=SIZES, ops=OPS, impls=IMPLS, reps=5,
     """The sweep: for each world size, size, op and impl, the median time, algbw and busbw.
 
     Returns {"copy": {N: {"Bps", "device", "name"}}, "rows": [{world_size, op, impl, bytes, seconds,
-    algbw, busbw}]}: "copy" is the bandwidth of one large copy along the path the N-rank pool's
-    bytes take (in the CPU's memory under gloo, GPU to GPU under NCCL), measured on rank 0 while
-    the other ranks wait.
+    algbw, busbw, sent, wire}]}: "copy" is the bandwidth of one large copy along the path the N-rank
+    pool's bytes take (in the CPU's memory under gloo, GPU to GPU under NCCL), measured on rank 0
+    while the other ranks wait. "sent" and "wire" list, rank by rank, what each rank sent in one
+    untimed call of the row's collective: the ledger's count (the sends made; a built-in's by
+    formula) and the bytes on its TCP connections as the OS counted them (None under NCCL).
     algbw = S / t; busbw = algbw * bus_factor(op, N), the nccl-tests definitions, with S the full
     tensor (the all-reduce's input, the reduce-scatter's input, the all-gather's output); the
     times are taken as the module docstring says, not as nccl-tests takes them.
@@ -164,11 +183,12 @@ def collectives(world_sizes=(2, 4), sizes=SIZES, ops=OPS, impls=IMPLS, reps=5,
             for nbytes in sizes:
                 r = max(3, min(reps * 4, int(reps * (4 << 20) / nbytes) or reps)) if nbytes < (4 << 20) else reps
                 res = c.run(_time_collectives, nbytes, ops, impls, r, segment_bytes or SEGMENT_BYTES,
-                            echo=False, timeout=600)[0]
-                for key, t in res.items():
+                            echo=False, timeout=600)
+                for key, t in res[0]["seconds"].items():  # (every rank has the slowest rank's times)
                     op, impl = key.split("/")
                     rows.append({"world_size": n, "backend": backend, "op": op, "impl": impl, "bytes": nbytes, "seconds": t,
-                                 "algbw": nbytes / t, "busbw": nbytes / t * bus_factor(op, n)})
+                                 "algbw": nbytes / t, "busbw": nbytes / t * bus_factor(op, n),
+                                 "sent": [rk["sent"][key] for rk in res], "wire": [rk["wire"][key] for rk in res]})
                 bar.update(1)
     bar.close()
     return {"copy": copy, "rows": rows}

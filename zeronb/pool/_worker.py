@@ -164,6 +164,9 @@ def main(authkey: bytes) -> None:
             break  # the notebook closed the channel: shut down
         if kind == "exit":
             break
+        if kind == "ping":  # the notebook asks whether this process is still there (a call failed)
+            conn.send(Reply("ready", call_id))
+            continue
         if kind == "regroup":
             # A call destroyed the process group (as scripts written for torchrun do at their
             # end). Join a new one; its keys get their own prefix in the store, away from the

@@ -282,9 +282,9 @@ class Cluster:
             stacks = self._stacks(out.still)
             orphaned = {r for r in out.died if self._ranks[r].proc.orphaned}  # the helper died, and they with it
             if not out.complete:  # the group is broken: a rank is gone, or stuck waiting for one
-                self._stop("failed" if errors or out.died else "timed out")
+                self._stop("failed" if errors or out.died or out.exited else "timed out")
             raise call_failure(errors, out.died, out.still, stacks, orphaned,
-                               timeout, out.stdout, out.stderr)
+                               timeout, out.stdout, out.stderr, exited=out.exited)
 
     def _send(self, kind, payload) -> int:
         """Send a call to every rank; its id."""

@@ -26,7 +26,7 @@ class RankError(RuntimeError):
         self.blocked = list(blocked)          # ranks still running when the call was given up
         self.tracebacks = tracebacks or {}    # rank -> formatted remote traceback
         self.stacks = stacks or {}            # rank -> where a still-running rank was blocked
-        self.exit_codes = exit_codes or {}    # rank -> exit status of a rank that died
+        self.exit_codes = exit_codes or {}    # rank -> exit status of a rank whose process ended
         self.stdout = stdout or []            # what each rank printed during the call
         self.stderr = stderr or []
 
@@ -136,19 +136,24 @@ def shorten(text: str, n: int = 160) -> str:
 
 
 def call_failure(errors: dict, died: dict, still: list, stacks: dict, orphaned: set, timeout: float,
-                 stdout: list, stderr: list) -> RankError:
+                 stdout: list, stderr: list, exited: dict | None = None) -> RankError:
     """The exception for a call that failed: `errors` maps a rank to its error Reply, `died` to its
-    exit status, `still` lists the ranks that were still running (their `stacks` show where)."""
+    exit status, `still` lists the ranks that were still running (their `stacks` show where), `exited`
+    maps a rank that replied and then exited to its exit status."""
+    exited = exited or {}
     tracebacks = {}
     for r, rep in sorted(errors.items()):
         tracebacks[r] = (_format_chain(rep.value) if rep.status == "error" else
                          f"TypeError: returned a value that cannot be sent back to the notebook ({rep.value})")
+    said = {r: _first_line(text) for r, text in tracebacks.items()}  # what each raised, in one line
+    for r, code in sorted(exited.items()):
+        tracebacks[r] = tracebacks.get(r, "it replied") + f"\n(then the rank process {signal_name(code)})"
     for r, code in sorted(died.items()):
         err = stderr[r].strip()
         tracebacks[r] = f"the rank process {signal_name(code)}" + (
             " when the helper process that forked it exited (ranks die with it)" if r in orphaned else "") + (
             f"; its last output on stderr:\n{err[-4000:]}" if err else "")
-    failed = sorted(set(errors) | set(died))
+    failed = sorted(set(errors) | set(died) | set(exited))
     timed_out = not failed
 
     parts = []
@@ -163,15 +168,18 @@ def call_failure(errors: dict, died: dict, still: list, stacks: dict, orphaned: 
                          + (" because the helper process that forked them exited" if orphaned else ""))
         if raised:
             parts.append(f"rank(s) {join_ranks(raised)} raised ("
-                         + "; ".join(f"rank {r}: {shorten(_first_line(tracebacks[r]))}" for r in raised) + ")"
+                         + "; ".join(f"rank {r}: {shorten(said[r])}" for r in raised) + ")"
                          + (" - in a collective, most likely because of the rank that died" if died else ""))
+        if exited:
+            parts.append(f"rank(s) {join_ranks(sorted(exited))} then exited ("
+                         + "; ".join(f"rank {r} {signal_name(c)}" for r, c in sorted(exited.items())) + ")")
         if still:
             parts.append(f"rank(s) {join_ranks(still)} were still running, blocked (shown below), and were stopped")
         parts = ["; ".join(parts)]
     # the ranks that died first: the others' errors are usually a consequence; ranks with the
     # same traceback are shown once
     shown: dict[str, list] = {}
-    for r in sorted(died) + sorted(errors):
+    for r in sorted(died) + sorted(set(errors) | set(exited)):
         shown.setdefault(tracebacks[r], []).append(r)
     for text, ranks in shown.items():
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {join_ranks(ranks)} (the same error)"
@@ -179,8 +187,8 @@ def call_failure(errors: dict, died: dict, still: list, stacks: dict, orphaned: 
     for r in still:
         parts.append(f"\n--- rank {r}: still running, blocked here (most recent call last) ---\n"
                      f"{stacks.get(r, '  (stack not available)')}")
-    if still or died:
+    if still or died or exited:
         parts.append("\nThe ranks were stopped; they restart on the next call (per-rank state is lost).")
     exc_type = RankTimeout if timed_out else RankError
     return exc_type("\n".join(parts), failed=failed, blocked=still, tracebacks=tracebacks, stacks=stacks,
-                    exit_codes=died, stdout=stdout, stderr=stderr)
+                    exit_codes={**died, **exited}, stdout=stdout, stderr=stderr)

@@ -6,11 +6,12 @@ Over the control channel (an authenticated multiprocessing connection), each a n
     notebook -> rank   Call(kind, call_id, payload)           "call": a pickled (fn, args, kwargs);
                                                               "cell": (source, filename) of %%ranks;
                                                               "regroup": join a new process group;
-                                                              "exit": stop
+                                                              "ping": say you are there (after a
+                                                              call failed); "exit": stop
     rank -> notebook   Reply(status, call_id, value, group_alive)
                        status "ok" (value: the pickled result), "error" (value: the exception
                        chain as plain data), "unpicklable" (value: why), "ready" (after joining a
-                       group; value: facts about the rank)
+                       group, value: facts about the rank; or the answer to a ping)
 
 A rank's stdout and stderr are pipes of their own. After each call the rank writes `end_marker`
 to both, so the notebook knows when it holds all of a call's output.
