@@ -13,9 +13,9 @@ import time
 from .. import collectives as C
 from ..collectives import SEGMENT_BYTES
 from ..cost import fit_alpha_beta
-from ..ledger import bus_factor
+from ..ledger import CommLedger, bus_factor
 from ..pool.cluster import Cluster
-from ..runtime.backend import device
+from ..runtime.backend import backend_for, device
 from ..runtime.compat import all_gather_single, reduce_scatter_single
 from ..shards import bounds
 
@@ -36,9 +36,6 @@ def _time_collectives(nbytes: int, ops, impls, reps: int, segment_bytes: int) ->
     connections. Returns {"seconds": {"op/impl": median}, "sent": {...}, "wire": {... or None}}."""
     import torch
     import torch.distributed as dist
-
-    from ..ledger import CommLedger
-    from ..runtime.backend import backend_for
 
     rank, n = dist.get_rank(), dist.get_world_size()
     numel = nbytes // 4
