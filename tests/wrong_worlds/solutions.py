@@ -519,6 +519,142 @@ def hsdp_all_reduce_within(grad):  # right values and bytes across; twice the by
     return shard / dist.get_world_size()
 
 
+# --- found by a newcomer writing wrong solutions from the instructions alone (each stands for a class) -----
+
+def all_reduce_gather_everything(t):  # a token reduce-scatter, then every rank's whole tensor gathered and summed
+    c = _compat()
+    n = dist.get_world_size()
+    c.reduce_scatter_single(torch.empty(1, dtype=t.dtype, device=t.device), torch.zeros(n, dtype=t.dtype, device=t.device))
+    everything = torch.empty(n * t.numel(), dtype=t.dtype, device=t.device)
+    c.all_gather_single(everything, t.contiguous())
+    return everything.view(n, -1).sum(0).view_as(t)
+
+
+def bucketed_ddp_fires_on_first_param(buckets):  # sends a bucket when its first parameter's gradient lands
+    works, first = [], {b[0]: i for i, b in enumerate(buckets)}
+
+    def ready(p):
+        if p in first:
+            i = first[p]
+            flat = torch.cat([q.grad.reshape(-1) if q.grad is not None else torch.zeros(q.numel(), dtype=p.dtype)
+                              for q in buckets[i]])
+            works.append((buckets[i], flat, dist.all_reduce(flat, async_op=True)))
+
+    for b in buckets:
+        for p in b:
+            p.register_post_accumulate_grad_hook(ready)
+
+    def finish():
+        for bucket, flat, work in works:
+            work.wait()
+            flat /= dist.get_world_size()
+            offset = 0
+            for q in bucket:
+                if q.grad is None:
+                    q.grad = torch.zeros_like(q)
+                q.grad.copy_(flat[offset:offset + q.numel()].view_as(q))
+                offset += q.numel()
+        works.clear()
+    return finish
+
+
+def bucketed_ddp_divides_by_four(buckets):
+    finish = bucketed_ddp()(buckets)
+    n = dist.get_world_size()
+
+    def finish_over_four():  # the notebook's finish, then rescaled as if it had divided by 4
+        finish()
+        for b in buckets:
+            for q in b:
+                q.grad.mul_(n / 4)
+    return finish_over_four
+
+
+def bucketed_ddp_keeps_its_flats(buckets):
+    finish, kept = bucketed_ddp()(buckets), []
+
+    def finish_keeping():  # keeps a copy of every bucket's averaged gradients, step after step
+        finish()
+        kept.extend(torch.cat([q.grad.reshape(-1) for q in b]) for b in buckets)
+    return finish_keeping
+
+
+def zero1_gathers_the_update(params, grads, lr):  # all-gathers lr x the gradient: right values
+    c = _compat()
+    n = dist.get_world_size()
+    shard = params.new_empty(params.numel() // n)
+    c.reduce_scatter_single(shard, grads / n)
+    update = torch.empty_like(params)
+    c.all_gather_single(update, (lr * shard).contiguous())
+    return params - update
+
+
+def zero2_keeps_flats(buckets, grad_shards):  # the right hooks, each bucket's flat gradients kept in a list
+    from zeronb.runtime.compat import reduce_scatter_single
+
+    owner = {p: i for i, b in enumerate(buckets) for p in b.params}
+    waiting, kept = [set(b.params) for b in buckets], []
+
+    def ready(p):
+        i = owner[p]
+        waiting[i].discard(p)
+        if waiting[i]:
+            return
+        flat = buckets[i].flatten_grads()
+        kept.append(flat)
+        out = torch.empty_like(grad_shards[i])
+        reduce_scatter_single(out, flat)
+        grad_shards[i] += out
+        for q in buckets[i].params:
+            q.grad = None
+        waiting[i] = set(buckets[i].params)
+
+    for b in buckets:
+        for p in b.params:
+            p.register_post_accumulate_grad_hook(ready)
+
+
+def zero3_bytes_float32_only(units, n, b):  # the element size written in as 4
+    per = _per_collective(units, n, 4)
+    return 3 * sum(per) - per[-1]
+
+
+def zero3_unit_caches(unit, flat, shard, grad_shard):  # the right hooks, and a copy of every gather kept
+    cache = []
+    zero3_unit()(unit, flat, shard, grad_shard)
+    unit.register_forward_pre_hook(lambda m, a: cache.append(flat.data.detach().clone()))
+
+
+def accumulate_and_clip_scales_up(micro_grads, max_norm):  # max_norm / norm without min(1, ...)
+    n, k = dist.get_world_size(), len(micro_grads)
+    shard = micro_grads[0].new_zeros(micro_grads[0].numel() // n)
+    for g in micro_grads:
+        part = torch.empty_like(shard)
+        _compat().reduce_scatter_single(part, g)
+        shard += part
+    shard /= n * k
+    squares = shard.pow(2).sum().reshape(1)
+    dist.all_reduce(squares)
+    norm = squares.sqrt().item()
+    return shard * (max_norm / (norm + 1e-6)), norm
+
+
+def hierarchical_node_of_two(t):  # the node size written in as 2
+    from zeronb.runtime.groups import node_groups
+
+    c = _compat()
+    within, across = node_groups()
+    shard = t.new_empty(t.numel() // 2)
+    c.reduce_scatter_single(shard, t, group=within)
+    dist.all_reduce(shard, group=across)
+    c.all_gather_single(t, shard, group=within)
+    return t
+
+
+def hsdp_divides_by_four(grad):
+    return hsdp_gradient(grad) * dist.get_world_size() / 4
+
+
 RIGHT = {
     "check_all_reduce": all_reduce,
     "check_ring_all_gather": ring_all_gather,
@@ -534,6 +670,8 @@ RIGHT = {
 
 WRONG = {
     "check_all_reduce": [
+        Wrong("a token reduce-scatter, the whole tensor gathered", "what is handed", all_reduce_gather_everything,
+              "reduce-scatter the whole tensor"),
         Wrong("dist.all_reduce itself", "method", all_reduce_builtin, "you called all_reduce"),
         Wrong("point-to-point sends", "method", all_reduce_by_sends, "you called send"),
         Wrong("forgot the all-gather", "values", all_reduce_forgot_the_gather,
@@ -554,6 +692,7 @@ WRONG = {
         Wrong("sends before it receives", "deadlock", ring_send_first, "deadlock", {"sizes": (12,), "also": None}),
     ],
     "check_zero1_step": [
+        Wrong("all-gathers the update", "what is communicated", zero1_gathers_the_update, "you all-gathered the update"),
         Wrong("the DDP step", "method", zero1_ddp_step, "you all-reduced: ZeRO-1 reduce-scatters the gradients"),
         Wrong("all-gathers the gradient, updates everything", "what is communicated", zero1_gathers_the_gradient,
               "you all-gathered the gradient"),
@@ -562,12 +701,19 @@ WRONG = {
         Wrong("forgot the all-gather", "method", zero1_forgot_the_gather, "0 all_gather call(s)"),
     ],
     "check_zero3_bytes": [
+        Wrong("the element size written in as 4", "element size", zero3_bytes_float32_only,
+              "the bytes of 4-byte elements"),
         Wrong("3(N-1)/N Psi b", "formula", zero3_bytes_naive, "ledger credited"),
         Wrong("no padding", "padding", zero3_bytes_no_padding, "no padding"),
         Wrong("the last unit gathered twice", "calls", zero3_bytes_last_unit_twice, "the last unit is gathered once"),
         Wrong("no reduce-scatter", "calls", zero3_bytes_no_reduce_scatter, "no reduce-scatter"),
     ],
     "check_bucketed_ddp": [
+        Wrong("sends a bucket when its first gradient lands", "when", bucketed_ddp_fires_on_first_param,
+              "went out before all its gradients had landed"),
+        Wrong("divides by 4", "world size", bucketed_ddp_divides_by_four, "on 3 ranks"),
+        Wrong("keeps every step's averaged buckets", "memory", bucketed_ddp_keeps_its_flats,
+              "after finish() your code still holds"),
         Wrong("a blocking all-reduce in the hook", "overlap", bucketed_ddp(wait_in_hook="sync"),
               "backward waited for its all-reduces"),
         Wrong("async, but waited for in the hook", "overlap", bucketed_ddp(wait_in_hook=True),
@@ -580,6 +726,7 @@ WRONG = {
               "step 2: backward (your hooks) raised"),
     ],
     "check_zero2_hooks": [
+        Wrong("keeps each bucket's flat gradients", "memory kept", zero2_keeps_flats, "your hooks still hold"),
         Wrong("overwrites the shard", "values", zero2_hooks(add=False),
               "holds the last backward's sum only: add each reduce-scatter"),
         Wrong("sends a bucket at every gradient", "calls", zero2_hooks(wait=False),
@@ -593,6 +740,7 @@ WRONG = {
               "not yet reduce-scattered"),
     ],
     "check_zero3_unit": [
+        Wrong("keeps a copy of every gather", "memory kept", zero3_unit_caches, "your hooks still hold"),
         Wrong("gathers zeros before backward", "values seen", zero3_unit(backward_gather="zeros"),
               "the unit's backward saw parameters that are not the full ones"),
         Wrong("keeps the parameters after forward", "memory", zero3_unit(free_after_forward=False),
@@ -604,6 +752,7 @@ WRONG = {
         Wrong("registers nothing", "gather", zero3_unit_nothing, "its buffer held 0 of 34336 bytes: gather before forward"),
     ],
     "check_accumulate_and_clip": [
+        Wrong("scales up a gradient below max_norm", "values", accumulate_and_clip_scales_up, "scaled up"),
         Wrong("clipped by its own shard's norm", "values", accumulate_and_clip(scope="local"),
               "clipped by the norm of this rank's own shard"),
         Wrong("not clipped", "values", accumulate_and_clip(scope="none"), "not clipped"),
@@ -615,11 +764,13 @@ WRONG = {
         Wrong("divides by 4 ranks", "world size", accumulate_and_clip(divisor=4), "on 3 ranks"),
     ],
     "check_hierarchical_all_reduce": [
+        Wrong("the node size written in as 2", "node size", hierarchical_node_of_two, "on 2 nodes x 3 ranks"),
         Wrong("the whole tensor across nodes", "bytes across", hierarchical_whole_tensor_across, "bytes across nodes"),
         Wrong("one flat all-reduce", "method", hierarchical_flat, "0 reduce_scatter call(s)"),
         Wrong("skips the all-gather", "values", hierarchical_skip_the_gather, "the result"),
     ],
     "check_hsdp_gradient": [
+        Wrong("divides by 4", "world size", hsdp_divides_by_four, "on 2 nodes x 3 ranks"),
         Wrong("averaged within the node only", "values", hsdp_average_within_only, "2 x the average"),
         Wrong("the sum", "values", hsdp_sum, "4 x the average"),
         Wrong("all-reduces the whole gradient, then slices", "bytes across", hsdp_all_reduce_then_slice,

@@ -6,7 +6,8 @@ element, what was expected and what came back.
     check_all_reduce(my_all_reduce)      # prints a verdict; returns True when everything matches
 
 collectives.py checks the collectives and byte counts (chapters 3, 4, 8, 10); engines.py the
-exercises that build the stages' hooks inside real training steps (chapters 7, 9, 10); practice.py
+exercises that build the stages' hooks inside real training steps (chapters 7, 9), units.py one
+ZeRO-3 unit's (chapter 10); practice.py
 accumulation with clipping over shards (chapter 12); nodes.py the hierarchical all-reduce and HSDP's
 gradient path on two nodes (chapter 13).
 
@@ -15,7 +16,8 @@ A function that deadlocks is stopped by the pool's timeout and reported as such.
 """
 from .checking import Verdict
 from .collectives import check_all_reduce, check_ring_all_gather, check_zero1_step, check_zero3_bytes
-from .engines import check_bucketed_ddp, check_zero2_hooks, check_zero3_unit
+from .engines import check_bucketed_ddp, check_zero2_hooks
+from .units import check_zero3_unit
 from .practice import check_accumulate_and_clip
 from .nodes import check_hierarchical_all_reduce, check_hsdp_gradient
 

@@ -10,6 +10,7 @@ import re
 
 import torch
 
+from ...memory import reachable_tensors, tensor_bytes
 from ...pool.cluster import Cluster, start
 from ...pool.errors import RankError, RankTimeout
 from ...runtime.backend import device
@@ -178,3 +179,27 @@ def _inputs(rank, numel, dtype):
     """Inside a rank: rank `rank`'s test tensor, on this rank's device (the same values on any)."""
     g = torch.Generator().manual_seed(7919 * (rank + 1) + numel)
     return torch.randn(numel, generator=g, dtype=torch.float64).to(device=device(), dtype=dtype)
+
+
+def registered_hooks(modules) -> list:
+    """Every hook function registered on `modules` and on their own parameters (module hooks, tensor
+    hooks, post-accumulate-grad hooks): take them before and after the learner's code runs, and the
+    new ones are the learner's."""
+    hooks = []
+    for m in modules:
+        for d in (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks):
+            hooks += list(d.values())
+        for p in m.parameters(recurse=False):
+            for d in (getattr(p, "_post_accumulate_grad_hooks", None), p._backward_hooks):
+                hooks += list((d or {}).values())
+    return hooks
+
+
+def kept_alive(roots, allowed=()) -> int:
+    """Inside a rank: bytes of the tensors reachable from `roots` (the learner's hooks and the function
+    it returned: what their closures hold) beyond the storages of `allowed` (the parameters, their
+    gradients, the buffers the exercise handed it): a list of flattened gradients, a cache of gathered
+    parameters, which no check of `.grad` or of a buffer sees. Swept from outside
+    (zeronb.memory.reachable_tensors)."""
+    ok = {t.untyped_storage().data_ptr() for t in allowed if t is not None}
+    return tensor_bytes([t for t in reachable_tensors(*roots) if t.untyped_storage().data_ptr() not in ok])

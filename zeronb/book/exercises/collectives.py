@@ -62,6 +62,10 @@ def _try_all_reduce(fn, numel, dtype):
     problem = what_is_wrong("the result", _returned(got), want, dtype, all_bounds(numel, n), known)
     method = collectives_made(dict(ledger.calls), {"reduce_scatter": 1, "all_gather": 1},
                               "build it from one reduce_scatter_single and one all_gather_single")
+    handed = (ledger.elements.get("reduce_scatter"), ledger.elements.get("all_gather"))
+    if not method and handed != (numel, numel):
+        method = (f"the reduce-scatter was handed {handed[0]} elements and the all-gather filled {handed[1]}, of the "
+                  f"tensor's {numel}: reduce-scatter the whole tensor, all-gather the summed shards back into its size")
     return [p for p in (method, problem) if p]
 
 
@@ -117,9 +121,12 @@ def _try_ring_all_gather(fn, numel, dtype):
                         "on a ring each rank receives only from the previous one, (r-1) mod N")
     chunk_bytes = chunk_size(numel, n) * full.element_size()
     sends, sent = ledger.calls.get("send", 0), ledger.bytes_sent
-    if not collectives and (sends, sent) != (n - 1, (n - 1) * chunk_bytes):
+    if not collectives and sent != (n - 1) * chunk_bytes:
         problems.append(f"{sends} send(s) of {sent} bytes in all; the ring takes N-1 = {n - 1} steps and sends one "
                         f"chunk ({chunk_bytes} bytes) at each: {(n - 1) * chunk_bytes} bytes")
+    elif not collectives and sends != n - 1:
+        problems.append(f"the right bytes, in {sends} sends: the ring takes N-1 = {n - 1} steps, one chunk, one send "
+                        "each")
     wrong = what_is_wrong("the result", got, full.cpu(), dtype, chunks)
     if wrong and isinstance(got, torch.Tensor) and got.shape == full.shape:
         # a chunk that holds another chunk's values: the wrong one was forwarded or stored
@@ -190,14 +197,16 @@ def _try_zero1_step(fn, numel, lr):
                                   "one reduce-scatter of the gradients, one all-gather of the updated chunks")
         if method:
             problems.append(method)
-    gathered = handed.inputs.get("all_gather", [])
-    if gathered and gathered[0].numel() == b - a:
-        mine = gathered[0].double()
-        if torch.allclose(mine, mean[a:b].cpu(), rtol=1e-9, atol=0) or torch.allclose(mine, total[a:b].cpu(), rtol=1e-9,
-                                                                                        atol=0):
-            problems.append("you all-gathered the gradient: ZeRO-1 updates this rank's chunk of the parameters and "
-                            "all-gathers the updated chunks")
     wrong = what_is_wrong("the new parameters", got, want, torch.float64, all_bounds(numel, n), known)
+    gathered = handed.inputs.get("all_gather", [])
+    if not problems and not wrong and gathered:  # right values: was it the updated parameters that travelled?
+        mine = gathered[0].double().reshape(-1)
+        if mine.numel() != b - a or not torch.allclose(mine, want[a:b].cpu(), rtol=1e-9, atol=1e-12):
+            like = lambda t: mine.numel() == b - a and torch.allclose(mine, t.cpu(), rtol=1e-9, atol=1e-12)  # noqa: E731
+            what = ("the gradient" if like(mean[a:b]) or like(total[a:b]) else
+                    "the update, lr x the gradient" if like(lr * mean[a:b]) else "something else")
+            problems.append(f"you all-gathered {what}: ZeRO-1 updates this rank's chunk of the parameters and "
+                            "all-gathers the updated parameters themselves")
     return problems + ([wrong] if wrong else [])
 
 
@@ -223,9 +232,9 @@ def check_zero1_step(fn, world_size: int = 4, numel: int = 96, lr: float = 0.1, 
 
 # --- chapter 10: ZeRO-3's traffic --------------------------------------------------------------------
 
-def _zero3_step_bytes(pool) -> int:
+def _zero3_step_bytes(pool, precision: str = "float32") -> int:
     """The bytes rank 0 of zeronb's ZeRO-3 was credited for one step of the GPT on `pool`."""
-    report = run(RunConfig(stage=3, model="gpt", precision="float32", steps=2, global_batch=12, timeout=300),
+    report = run(RunConfig(stage=3, model="gpt", precision=precision, steps=2, global_batch=12, timeout=300),
                  pool).ranks[0]
     return sum(report.sent_bytes_per_step.values())
 
@@ -245,7 +254,8 @@ def _zero3_mistakes(units, n, b):
                                                   "so a collective moves (N-1) chunks of ceil(u/N) elements"),
                      (3 * sum(whole) - whole[-1], "the whole unit per collective: a ring sends (N-1)/N of it"),
                      (3 * sum(exact), "3(N-1)/N of the parameters: count each unit's calls (padded, the last unit "
-                                      "gathered once)")):
+                                      "gathered once)"),
+                     (right * 4 // b, "the bytes of 4-byte elements: multiply by element_size")):
         if got != right:
             mistakes.setdefault(got, why)
     return right, mistakes
@@ -259,26 +269,30 @@ def check_zero3_bytes(fn, world_size: int = 4, also: int | None = 3) -> Verdict:
     title = "ZeRO-3 bytes per step"
     units = [sum(p.numel() for p in u.parameters()) for u in make_model(Config(kind="gpt")).units()]
     sizes = _sizes(world_size, also)
+    runs = [(n, "float32", 4) for n in sizes] + [(world_size, "float64", 8)]  # (and a second element size)
     answers = {}
-    for n in sizes:  # the learner's formula first: no ranks are started for one that raises
+    for n, _, b in runs:  # the learner's formula first: no ranks are started for one that raises
         try:
-            answers[n] = fn(units, n, 4)
+            answers[n, b] = fn(units, n, b)
         except Exception as e:  # the learner's own code, run here in the notebook
             return Verdict(title, [f"your function raised {type(e).__name__}: {e}"])
     problems = []
     for pool in each_pool(world_size, also):
         n = pool.world_size
-        try:
-            measured = _zero3_step_bytes(pool)
-        except RankError as e:
-            return Verdict(title, [f"the reference run failed: {e}"])
-        got = answers[n]
-        if got == measured:
-            continue
-        right, mistakes = _zero3_mistakes(units, n, 4)
-        why = mistakes.get(got, "") if right == measured else ""
-        problems.append(f"on {n} ranks (units of {units} elements, float32) your formula gives {got} bytes; the "
-                        f"ledger credited {measured}" + (f": {why}" if why else ""))
-        break
-    return Verdict(title, problems, [f"checked on {' and '.join(map(str, sizes))} ranks against the ledger's credits "
-                                     "for a real step of zeronb's ZeRO-3"])
+        for precision, b in [(p, b) for m, p, b in runs if m == n]:
+            try:
+                measured = _zero3_step_bytes(pool, precision)
+            except RankError as e:
+                return Verdict(title, [f"the reference run failed: {e}"])
+            got = answers[n, b]
+            if got == measured:
+                continue
+            right, mistakes = _zero3_mistakes(units, n, b)
+            why = mistakes.get(got, "") if right == measured else ""
+            problems.append(f"on {n} ranks (units of {units} elements, {precision}, {b} bytes each) your formula gives "
+                            f"{got} bytes; the ledger credited {measured}" + (f": {why}" if why else ""))
+            break
+        if problems:
+            break
+    return Verdict(title, problems, [f"checked on {' and '.join(map(str, sizes))} ranks in float32, and in float64, "
+                                     "against the ledger's credits for a real step of zeronb's ZeRO-3"])

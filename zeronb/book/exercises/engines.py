@@ -1,6 +1,6 @@
 """Checkers for the exercises that build the stages: the learner's hooks run inside real training
-steps on the ranks - bucketed DDP (chapter 7), ZeRO-2's reduce-scatter hooks (chapter 9), ZeRO-3's
-gather and free for one unit (chapter 10).
+steps on the ranks - bucketed DDP (chapter 7), ZeRO-2's reduce-scatter hooks (chapter 9); and what they
+share with ZeRO-3's unit (chapter 10, units.py): the MLP and its reference gradients, the learner's call.
 Each grades the method as well as the values: the collectives called, what was held when, whether
 backward went on while a bucket was in flight, the parameters a layer computed with.
 """
@@ -14,11 +14,11 @@ from ...models import Config, local_batch, make_model
 from ...runtime.backend import device
 from ...runtime.compat import default_store
 from ...zero.buckets import Bucket
-from .checking import Verdict, _pool, _run, by_rank, collectives_made, what_is_wrong
+from .checking import Verdict, _run, by_rank, collectives_made, each_pool, kept_alive, registered_hooks, what_is_wrong
 
 # The MLP the engines' exercises train: its layers (2145, 4290, 4290 and 1056 elements) do not all
-# divide by 4, so their flat buffers are padded, as real ones are.
-MLP = Config(kind="mlp", hidden=65)
+# divide by 4, so their flat buffers are padded, as real ones are; 12 rows divide over 4 ranks and 3.
+MLP = Config(kind="mlp", hidden=65, global_batch=12)
 HOLD_S = 5.0  # how long the held rank waits for the others' backward (bucketed DDP): seconds, not ms
 
 # Each runs the learner's code on every rank inside training steps of the small MLP (float64), beside
@@ -52,15 +52,21 @@ def _mlp_and_reference(steps: int = 2, local: list | None = None):
     return model, batches, reference
 
 
-def _verdict_from_ranks(title, try_on_rank, fn, world_size, what, *args) -> Verdict:
-    """Run `try_on_rank(fn, *args)` on the ranks (each returns its list of problems) and say what was found."""
-    pool = _pool(world_size)
-    res, err = _run(pool, try_on_rank, fn, *args, timeout=60,
-                    hint="does every rank call the same collectives, in the same order, on tensors of the same size?")
-    if err:
-        return Verdict(title, [err])
-    problems = by_rank(dict(enumerate(res)), pool.world_size)
-    return Verdict(title, problems, [f"checked on {world_size} ranks, {what}"])
+def _verdict_from_ranks(title, try_on_rank, fn, world_size, what, *args, also=None) -> Verdict:
+    """Run `try_on_rank(fn, *args)` on the ranks (each returns its list of problems), on `world_size`
+    ranks and then on `also` if given, and say what was found."""
+    problems = []
+    for pool in each_pool(world_size, also):
+        res, err = _run(pool, try_on_rank, fn, *args, timeout=60,
+                        hint="does every rank call the same collectives, in the same order, on tensors of the same size?")
+        if err:
+            return Verdict(title, [err])
+        where = f"on {pool.world_size} ranks, " if also else ""
+        problems += [where + p for p in by_rank(dict(enumerate(res)), pool.world_size)]
+        if problems:
+            break
+    sizes = " and ".join(map(str, [world_size] + ([also] if also and also != world_size else [])))
+    return Verdict(title, problems, [f"checked on {sizes} ranks, {what}"])
 
 
 def _call_learner(what, fn, *args):
@@ -71,7 +77,16 @@ def _call_learner(what, fn, *args):
         return None, f"{what} raised {type(e).__name__}: {e}"
 
 
-def _try_bucketed_ddp(fn, token):
+def _bucket_layouts(model) -> dict:
+    """The buckets the checker hands the learner: one layer each, last layer first (as the exercise
+    says), and buckets that cut across layers (3, 2 and 3 parameters): a solution must not rely on a
+    bucket being one weight and one bias, or on which of them lands last."""
+    backward = [p for layer in reversed(model.layers) for p in layer.parameters()]
+    return {"one layer each": [list(layer.parameters()) for layer in reversed(model.layers)],
+            "across layers": [backward[:3], backward[3:5], backward[5:]]}
+
+
+def _try_bucketed_ddp(fn, token, layout):
     import datetime
 
     import torch.distributed as dist
@@ -79,9 +94,10 @@ def _try_bucketed_ddp(fn, token):
     model, batches, reference = _mlp_and_reference()
     rank, n = dist.get_rank(), dist.get_world_size()
     names = {p: name for name, p in model.named_parameters()}
-    layers = list(model.layers)
-    buckets = [list(layer.parameters()) for layer in reversed(layers)]  # backward order: the last layer first
+    buckets = _bucket_layouts(model)[layout]
+    before = registered_hooks(model.modules())
     finish, err = _call_learner("my_bucketed_ddp(buckets)", fn, buckets)
+    learners = [h for h in registered_hooks(model.modules()) if not any(h is b for b in before)]
     if err:
         return [err]
     if not callable(finish):
@@ -96,6 +112,8 @@ def _try_bucketed_ddp(fn, token):
         pending[bucket].discard(p)
         if not pending[bucket]:
             seen[bucket] = ledger.calls.get("all_reduce", 0), len(seen)
+        if ledger.calls.get("all_reduce", 0) > len(seen):  # more sent than complete: one went out too soon
+            early.append(bucket)
 
     # Overlap: the last rank holds its backward back, before its first gradient, until every other
     # rank's backward has returned. An all-reduce needs every rank, so the others' all-reduces cannot
@@ -120,6 +138,7 @@ def _try_bucketed_ddp(fn, token):
     for step, ((x, y), want) in enumerate(zip(batches, reference)):
         pending = [set(b) for b in buckets]
         seen.clear()
+        early = []
         hold["step"] = step
         model.zero_grad(set_to_none=True)
         label = f"step {step + 1}"
@@ -144,6 +163,14 @@ def _try_bucketed_ddp(fn, token):
                                   "one all-reduce per bucket: flatten the bucket's gradients into one tensor")
         if method:
             problems.append(f"{label}: {method}")
+        elif early:
+            return problems + [f"{label} ({layout}): a bucket's all-reduce went out before all its gradients had "
+                               "landed: count the gradients each bucket still waits for, and send it when the last "
+                               "one lands (whichever parameter that is)"]
+        kept = kept_alive(learners + [finish], [p for p in model.parameters()] + [p.grad for p in model.parameters()])
+        if kept:
+            problems.append(f"{label}: after finish() your code still holds {kept} bytes of tensors (the flattened "
+                            "buckets of a step?): let them go once their values are back in .grad")
         if issued_in_backward == 0:
             problems.append(f"{label}: no all-reduce was issued during backward"
                             + (" (the second backward: reset what each bucket waits for, after it is sent)" if step else
@@ -151,18 +178,21 @@ def _try_bucketed_ddp(fn, token):
         else:
             for bucket, (count, order) in sorted(seen.items(), key=lambda kv: kv[1][1]):
                 if count < order + 1:
-                    problems.append(f"{label}: bucket {bucket} (layer {len(layers) - 1 - bucket}) was complete, but its all-reduce "
-                                    f"had not been issued: send a bucket as soon as its last gradient arrives")
+                    problems.append(f"{label}: bucket {bucket} ({', '.join(names[p] for p in buckets[bucket])}) was "
+                                    "complete, but its all-reduce had not been issued: send a bucket as soon as its "
+                                    "last gradient arrives")
                     break
         for p in model.parameters():
             name = names[p]
             if p.grad is None:
                 problems.append(f"{label}: {name} has no gradient after finish()")
                 break
-            wrong = what_is_wrong(f"{label}: {name}'s gradient", p.grad, want[name], torch.float64, known=[
-                (want[name] * n, f"the sum over the ranks: divide by N = {n} for the average")])
+            known = [(want[name] * n, f"the sum over the ranks: divide by N = {n} for the average")]
+            if n != 4:
+                known.append((want[name] * n / 4, f"divided by 4: divide by N = dist.get_world_size(), {n} here"))
+            wrong = what_is_wrong(f"{label}: {name}'s gradient", p.grad, want[name], torch.float64, known=known)
             if wrong:
-                problems.append(wrong if "the sum over" in wrong else
+                problems.append(wrong if "divide" in wrong else
                                 wrong + " (did finish() wait for the work and copy the result back into .grad?)")
                 break
         if problems:
@@ -170,19 +200,26 @@ def _try_bucketed_ddp(fn, token):
     return problems
 
 
-def check_bucketed_ddp(fn, world_size: int = 4) -> Verdict:
+def check_bucketed_ddp(fn, world_size: int = 4, also: int | None = 3) -> Verdict:
     """Exercise (chapter 7): `fn(buckets) -> finish`. `buckets` lists the MLP's parameters one
     layer per bucket, last layer first. Register hooks so that each bucket is all-reduced (one
     collective, async) as soon as backward has produced all its gradients; `finish()` waits for
     them and leaves the *averaged* gradient in every parameter's .grad. Checked over two
     training steps against all-reducing each gradient after backward: the gradients, one all-reduce
-    per bucket, each issued when its bucket completes, and backward going on while they are in
-    flight (one rank is held back until the others' backward has returned)."""
+    per bucket, each issued when its bucket completes and not before, backward going on while they
+    are in flight (one rank is held back until the others' backward has returned), nothing kept
+    after finish(); with one layer per bucket and with buckets cut across layers, on `world_size`
+    ranks and on `also`."""
     import uuid
 
-    return _verdict_from_ranks("bucketed DDP", _try_bucketed_ddp, fn, world_size,
-                               "two steps of the MLP in float64: gradients, one all-reduce per bucket, "
-                               "issued during backward, backward going on while they are in flight", uuid.uuid4().hex)
+    what = ("two steps of the MLP in float64, buckets of one layer and across layers: gradients, one all-reduce "
+            "per bucket, issued when it completes, backward going on while they are in flight")
+    for layout in ("one layer each", "across layers"):
+        verdict = _verdict_from_ranks("bucketed DDP", _try_bucketed_ddp, fn, world_size, what, uuid.uuid4().hex, layout,
+                                      also=also)
+        if not verdict.ok:
+            return verdict
+    return verdict
 
 
 def _try_zero2_hooks(fn):
@@ -218,9 +255,11 @@ def _try_zero2_hooks(fn):
 
     for p in model.parameters():
         p.register_hook(weigh(p))
+    before = registered_hooks(model.modules())
     _, err = _call_learner("my_zero2_hooks(buckets, grad_shards)", fn, buckets, grad_shards)
     if err:
         return [err]
+    learners = [h for h in registered_hooks(model.modules()) if not any(h is b for b in before)]
     full_bytes = sum(p.numel() * 8 for p in model.parameters())
     problems, calls_before = [], [0]
     with CommLedger() as ledger:
@@ -236,13 +275,18 @@ def _try_zero2_hooks(fn):
         problems.append(f"you called {', '.join(others)}: ZeRO-2 reduce-scatters each bucket, every rank receiving "
                         "only its chunk of the sum (an all-reduce brings the whole sum to every rank)")
     elif calls != 2 * len(buckets):
-        hint = ("more than one per bucket: was a bucket sent before all its gradients had landed? Count the "
-                "gradients it still waits for, and send it when the last one lands" if calls > 2 * len(buckets) else
+        hint = ("more than one per bucket: a bucket sent before all its gradients had landed, or in pieces? Count "
+                "the gradients it still waits for, send the whole bucket when the last one lands, and reset the "
+                "count for the next backward" if calls > 2 * len(buckets) else
                 "one per bucket per backward, from its hook (reduce_scatter_single of the flat, padded gradients)"
                 + ("; in the second backward too: reset what each bucket waits for once it is sent"
                    if calls == len(buckets) else ""))
         problems.append(f"{calls} reduce-scatter calls in two backwards of {len(buckets)} buckets: {hint}")
     held = [names[p] for p in model.parameters() if p.grad is not None]
+    kept = kept_alive(learners, list(model.parameters()) + [b.data for b in buckets] + grad_shards)
+    if kept and not held:
+        problems.append(f"after backward your hooks still hold {kept} bytes of tensors (flattened gradients, or the "
+                        "gradients they set to None?): keep nothing of a bucket once it is reduce-scattered")
     worst = max(completions, key=lambda c: (bool(c["stale"]), c["alive"]), default=None)
     if held:
         problems.append(f"after backward {len(held)} full gradients are still held ({', '.join(held[:3])}...): "
@@ -291,96 +335,3 @@ def check_zero2_hooks(fn, world_size: int = 4) -> Verdict:
     return _verdict_from_ranks("ZeRO-2 reduce-scatter hooks", _try_zero2_hooks, fn, world_size,
                                "two backwards of the MLP in float64: shards, calls, and the full gradients "
                                "alive as each bucket completes")
-
-
-def _try_zero3_unit(fn):
-    import torch.distributed as dist
-
-    local = []
-    model, batches, reference = _mlp_and_reference(steps=1, local=local)
-    rank, n = dist.get_rank(), dist.get_world_size()
-    unit = model.layers[1]   # one unit in the middle: the rest of the model stays whole
-    names = {p: name for name, p in model.named_parameters()}
-    flat = Bucket(list(unit.parameters()), n, "unit")
-    full_values = flat.data.clone()
-    shard = flat.chunk(rank).clone()
-    grad_shard = torch.zeros_like(shard)
-    nbytes = flat.data.untyped_storage().nbytes()
-    flat.data.untyped_storage().resize_(0)  # between steps: only the shard
-    _, err = _call_learner("my_zero3_unit(unit, flat, shard, grad_shard)", fn, unit, flat, shard, grad_shard)
-    if err:
-        return [err]
-    seen = {}
-
-    def storage():
-        return flat.data.untyped_storage().nbytes()
-
-    # the checker's module hooks, registered after the learner's: what the unit holds at each point
-    unit.register_forward_pre_hook(lambda m, a: seen.__setitem__("forward", (storage(), flat.data.clone() if storage() else None)))
-    unit.register_forward_hook(lambda m, a, out: seen.__setitem__("after forward", storage()))
-    unit.register_full_backward_pre_hook(lambda m, g: seen.__setitem__(
-        "backward", (storage(), flat.data.clone() if storage() >= nbytes else None)))
-    problems = []
-    (x, y), want = batches[0], reference[0]
-    with CommLedger() as ledger:
-        _, crashed = _call_learner("the step (forward and backward, your hooks)", lambda: model.loss(model(x), y).backward())
-    if crashed and "forward" not in seen:  # (a hook of the learner's raised before the unit's forward)
-        return [crashed]
-    size, values = seen.get("forward", (0, None))
-    if size < nbytes:
-        return [f"when the unit's forward ran, its buffer held {size} of {nbytes} bytes: gather before forward (resize "
-                "the storage back to flat.padded elements, then all_gather_single into flat.data)"]
-    if crashed:
-        return [crashed]
-    elif not torch.allclose(values, full_values, rtol=0, atol=0):
-        problems.append("the unit's forward saw parameters that are not the full ones: all-gather every rank's shard")
-    if seen.get("after forward", 0):
-        problems.append(f"after its forward the unit still held {seen['after forward']} bytes of full parameters: free them "
-                        "(flat.data.untyped_storage().resize_(0))")
-    size, values = seen.get("backward", (0, None))
-    if size < nbytes:
-        problems.append("the unit's backward began without its full parameters: gather them again before backward "
-                        "(register_full_backward_pre_hook)")
-    elif not torch.equal(values, full_values):
-        problems.append("the unit's backward saw parameters that are not the full ones: gather every rank's shard "
-                        "again before backward (the gradient flowing back through the unit is made with them)")
-    before = model.layers[0]  # the gradient that flowed back through the unit, into the layer before it
-    for name, p in before.named_parameters(prefix="layers.0"):
-        if p.grad is None or not torch.allclose(p.grad, local[0][name], rtol=1e-10, atol=1e-12):
-            problems.append(f"{name}'s gradient, which flows back through the unit, is wrong: the unit's backward "
-                            "computed with the wrong parameters")
-            break
-    if storage():
-        problems.append(f"after backward the unit still holds {storage()} bytes of full parameters: free them once its "
-                        "gradients are reduce-scattered")
-    unit_params = list(unit.parameters())
-    if any(p.grad is not None for p in unit_params):
-        problems.append("after backward the unit's full gradients are still held: set them to None once reduce-scattered")
-    summed = torch.zeros(flat.padded, dtype=torch.float64, device=shard.device)
-    summed[:flat.numel] = torch.cat([want[names[p]].reshape(-1) for p in unit_params]) * n
-    if not torch.allclose(grad_shard, flat.chunk(rank, summed), rtol=1e-10, atol=1e-12):
-        if torch.allclose(grad_shard, flat.chunk(rank, summed) / n, rtol=1e-10, atol=1e-12):
-            problems.append("grad_shard holds the average: keep the sum over the ranks (the step divides by N)")
-        else:
-            problems.append(f"grad_shard is off by up to {(grad_shard - flat.chunk(rank, summed)).abs().max().item():.3g} from "
-                            f"chunk {rank} of the gradient summed over the ranks")
-    gathers, scatters = ledger.calls.get("all_gather", 0), ledger.calls.get("reduce_scatter", 0)
-    others = sorted(op for op in ledger.calls if op not in ("all_gather", "reduce_scatter"))
-    if others:
-        problems.append(f"you called {', '.join(others)}: ZeRO-3 all-gathers the parameters and reduce-scatters the "
-                        "gradients, each rank keeping only its chunk")
-    elif (gathers, scatters) != (2, 1):
-        problems.append(f"one step made {gathers} all-gather(s) and {scatters} reduce-scatter(s) of the unit; ZeRO-3 makes 2 "
-                        "(before forward, before backward) and 1 (after backward)")
-    return problems
-
-
-def check_zero3_unit(fn, world_size: int = 4) -> Verdict:
-    """Exercise (chapter 10): `fn(unit, flat, shard, grad_shard)` makes one unit (a Linear layer in
-    the middle of the MLP) live the ZeRO-3 way. Its parameters are views into `flat.data`, whose
-    storage has been freed (0 bytes); `shard` is this rank's chunk of them. Register hooks: gather
-    before forward, free after it; gather again before backward; once all its gradients exist,
-    reduce-scatter them (summed) into `grad_shard`, and free gradients and parameters."""
-    return _verdict_from_ranks("ZeRO-3 unit", _try_zero3_unit, fn, world_size,
-                               "one step of the MLP in float64: what the unit holds before and after forward and "
-                               "backward, its gradient shard, its collectives")

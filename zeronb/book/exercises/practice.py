@@ -49,11 +49,21 @@ def _try_accumulate_and_clip(fn, max_norm, k, numel):
         problems.append(wrong)
     if got_norm is None or abs(got_norm - norm) > 1e-9 * norm:
         problems.append(f"returned norm {got_norm}; the whole model's gradient norm before clipping is {norm:.10g}")
+    # once more with a max_norm above the norm: clip_grad_norm_ leaves such a gradient as it is
+    loose = 10 * norm
+    again = fn([g.clone() for g in micro], loose)
+    again = again[0] if isinstance(again, tuple) else again
+    if isinstance(again, torch.Tensor) and not wrong and not torch.allclose(again.cpu(), unclipped.cpu(), rtol=1e-10,
+                                                                             atol=1e-13):
+        scaled = torch.allclose(again.cpu(), unclipped.cpu() * loose / norm, rtol=1e-6, atol=1e-12)
+        problems.append(f"with max_norm {loose:.4g} above the norm {norm:.4g} the gradient changed"
+                        + (": it was scaled up to the max_norm; clip_grad_norm_ scales by min(1, max_norm / norm)"
+                           if scaled else ": a gradient whose norm is below max_norm is left as it is"))
     big = sorted(op for op in ledger.calls if op not in ("reduce_scatter", "all_reduce"))
     if big:
         problems.append(f"you called {', '.join(big)}: nothing needs gathering - each rank clips its own shard, with a "
                         "norm made of one number from each rank")
-    if ledger.elements.get("all_reduce", 0) > 1:
+    if ledger.elements.get("all_reduce", 0) > ledger.calls.get("all_reduce", 0):  # a call of more than one number
         problems.append(f"all-reduced {ledger.elements['all_reduce']} elements: the norm needs one number from each "
                         "rank (its sum of squares), not its gradient")
     if not ledger.calls.get("reduce_scatter"):
