@@ -7,6 +7,7 @@ Layers, and what each may import (each folder's __init__ says the same):
     pool       the rank processes a notebook drives (zeronb.start / run / %%ranks)           runtime
     lessons    the top-level modules: shards, collectives, ledger, cost, precision,          runtime
                memory, models, checkpoint
+    minimal    each algorithm in its shortest form, for reading first (zeronb.minimal)        runtime
     zero       the stages (zeronb's and PyTorch's) and what watches them                     lessons, runtime
     train      RunConfig -> a run on a pool or under torchrun, and its report                zero, lessons, pool, runtime
     book       the chapters' helpers and exercises                                           all but bench
@@ -24,7 +25,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "zeronb"
-BELOW = {"runtime": set(), "pool": {"runtime"}, "lessons": {"runtime"}, "zero": {"lessons", "runtime"},
+BELOW = {"runtime": set(), "pool": {"runtime"}, "lessons": {"runtime"}, "minimal": {"runtime"}, "zero": {"lessons", "runtime"},
          "train": {"zero", "lessons", "pool", "runtime"}}
 BELOW["book"] = BELOW["bench"] = set(BELOW) | BELOW["train"]
 LAYERS = tuple(BELOW)

@@ -254,39 +254,49 @@ def record(**event) -> None:
         ledger.record(**event)
 
 
-class RingTracer:
-    """What the ring's pipeline (zeronb.collectives.ring) tells about each step, recorded as a
-    send and a receive event in every open ledger: who sent which chunk to whom, how many bytes,
-    from the step's first send to the arrival of its last segment, and whether the step before
-    was still arriving when this one began - asked of the receives themselves (`is_completed`),
-    not read from the order of the code (chapter 4's pictures)."""
+class TracedLink:
+    """A ring's link (zeronb.collectives.ring.Link), watched from outside: each step of the ring is
+    recorded as a send and a receive event in every open ledger - who sent which chunk to whom, how
+    many bytes, from the step's first send to the arrival of its last segment, and whether the step
+    before was still arriving when this one began, asked of the receives themselves
+    (`is_completed`), not read from the order of the code (chapter 4's pictures)."""
 
-    def __init__(self, op: str, me: int, nxt: int, prv: int):
-        self.op, self.me, self.nxt, self.prv = op, me, nxt, prv
+    def __init__(self, link, op: str, me: int):
+        self.link, self.op, self.me = link, op, me
+        self.segments = link.segments
         self.started, self.steps_in_phase, self.overlapped = {}, {}, {}
 
-    def sending(self, i: int, device, previous_receives=()) -> None:
-        """Step i's first segment is about to go out (from a tensor on `device`); `previous_receives`:
-        the works of step i-1's receives not yet waited for."""
-        if i not in self.started:
-            self.started[i] = now(device)
-            self.overlapped[i] = None if i == 0 else any(not w.is_completed() for w in previous_receives)
+    def post(self, k, send_step=None, recv_step=None) -> None:
+        i = send_step
+        if i is not None and i not in self.started:  # step i's first segment is about to go out
+            step = self.link.steps[i]
+            previous = [w for (j, _), w in self.link.recvs.items() if j == i - 1]  # not yet waited for
+            self.started[i] = now(step.send.device)
+            self.overlapped[i] = None if i == 0 else any(not w.is_completed() for w in previous)
+        self.link.post(k, send_step=send_step, recv_step=recv_step)
 
-    def done(self, i: int, *, phase: str, send_chunk: int, recv_chunk: int, nbytes: int, device) -> None:
-        """Step i's last segment has arrived (and been added): it sent chunk `send_chunk` to the next
-        rank and received `nbytes` of chunk `recv_chunk` from the previous one, in `phase`."""
-        in_phase = self.steps_in_phase.get(phase, 0)  # steps count from 0 in each phase
-        self.steps_in_phase[phase] = in_phase + 1
-        common = dict(op=self.op, phase=phase, step=in_phase, bytes=nbytes, start=self.started[i], end=now(device),
-                      previous_still_arriving=self.overlapped[i])
-        record(kind="send", src=self.me, dst=self.nxt, chunk=send_chunk, **common)
-        record(kind="recv", src=self.prv, dst=self.me, chunk=recv_chunk, **common)
+    def received(self, i, k) -> None:
+        self.link.received(i, k)
+        if k == len(self.segments) - 1:  # the step's last segment has arrived
+            step = self.link.steps[i]
+            in_phase = self.steps_in_phase.get(step.phase, 0)  # steps count from 0 in each phase
+            self.steps_in_phase[step.phase] = in_phase + 1
+            common = dict(op=self.op, phase=step.phase, step=in_phase, bytes=step.recv.numel() * step.recv.element_size(),
+                          start=self.started[i], end=now(step.recv.device), previous_still_arriving=self.overlapped[i])
+            record(kind="send", src=self.me, dst=self.link.nxt, chunk=step.send_chunk, **common)
+            record(kind="recv", src=self.link.prv, dst=self.me, chunk=step.recv_chunk, **common)
+
+    def sent(self, i, k) -> None:
+        self.link.sent(i, k)
+
+    def all_sent(self) -> None:
+        self.link.all_sent()
 
 
-def ring_tracer(op: str, me: int, nxt: int, prv: int) -> RingTracer | None:
-    """A tracer for one ring collective on this rank, or None when no ledger is open (tracing then
-    costs nothing)."""
-    return RingTracer(op, me, nxt, prv) if recording() else None
+def traced_link(link, op: str, me: int):
+    """The ring's link, traced when a ledger is open; else the link itself (tracing then costs
+    nothing). `me`: this rank's global rank."""
+    return TracedLink(link, op, me) if recording() else link
 
 
 def now(device=None) -> float:

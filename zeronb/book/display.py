@@ -23,6 +23,7 @@ def show_source(obj) -> None:
     """Print the source of a function or class of zeronb, with the file and lines it comes from,
     so that a chapter shows the code that really runs rather than a copy of it."""
     lines, start = inspect.getsourcelines(obj)
+    start = max(start, 1)  # (a whole module starts at 0)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above zeronb/
     path = os.path.relpath(inspect.getsourcefile(obj), root)
     print(f"# {path}, lines {start}-{start + len(lines) - 1}")

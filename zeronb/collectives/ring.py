@@ -34,9 +34,10 @@ Three details that matter in practice:
   message. Chapter 5 measures both. NCCL's counterparts are the size of the buffers it stages
   chunks through (NCCL_BUFFSIZE) and its protocols (NCCL_PROTO: LL, LL128, Simple).
 
-What a step did (for the ledger's trace, chapter 4's pictures) is told to a tracer that the public
-functions hand the pipeline (`_run_ring(..., trace)`); the ledger makes it (zeronb.ledger.ring_tracer:
-None when nothing records), so the pipeline holds no bookkeeping of its own.
+The pipeline sends and receives through a `Link`; when a ledger records, the ledger wraps that link
+to trace what each step did (zeronb.ledger.traced_link, chapter 4's pictures), so the pipeline
+holds no bookkeeping of its own. The ring as a learner would first write it, without segments or a
+pipeline, is zeronb.minimal.ring.
 """
 from __future__ import annotations
 
@@ -128,7 +129,46 @@ def _receives_ahead(tensor: torch.Tensor) -> int:
     return 2 if backend_for(tensor) == "gloo" else 1
 
 
-def _run_ring(steps, segment_bytes: int, group=None, trace=None) -> None:
+class Link:
+    """This rank's messages round the ring: segment k of a step's send to the next rank and of a
+    step's receive from the previous one, posted together (`batch_isend_irecv`), and waited for.
+    The pipeline talks to the ring only through these calls; a tracer wraps them from
+    outside (zeronb.ledger.TracedLink)."""
+
+    def __init__(self, steps, segments, group):
+        rank, n = world(group)
+        self.steps, self.segments, self.group = steps, segments, group
+        self.nxt, self.prv = peer(group, (rank + 1) % n), peer(group, (rank - 1) % n)  # (global ranks)
+        self.sends, self.recvs = {}, {}  # (step, segment) -> its work, until waited for
+
+    def post(self, k, send_step=None, recv_step=None) -> None:
+        """Post segment k of one step's send and/or one step's receive, together."""
+        a, b = self.segments[k]
+        ops = []
+        if recv_step is not None:
+            ops.append(dist.P2POp(dist.irecv, self.steps[recv_step].recv[a:b], self.prv, self.group))
+        if send_step is not None:
+            ops.append(dist.P2POp(dist.isend, self.steps[send_step].send[a:b], self.nxt, self.group))
+        works = dist.batch_isend_irecv(ops)
+        if recv_step is not None:
+            self.recvs[recv_step, k] = works[0]
+        if send_step is not None:
+            self.sends[send_step, k] = works[-1]
+
+    def received(self, i, k) -> None:
+        """Wait until segment k of step i has arrived."""
+        self.recvs.pop((i, k)).wait()
+
+    def sent(self, i, k) -> None:
+        """Wait until segment k of step i has left (its buffer may be written again)."""
+        self.sends.pop((i, k)).wait()
+
+    def all_sent(self) -> None:
+        for work in self.sends.values():
+            work.wait()
+
+
+def _run_ring(steps, link: Link) -> None:
     """Run the steps as a pipeline: each chunk is cut into segments, and a segment is forwarded
     (step i+1's send) as soon as it has arrived and been added (step i), while later segments are
     still on the wire. Receives are posted `_receives_ahead(...)` steps early.
@@ -138,68 +178,44 @@ def _run_ring(steps, segment_bytes: int, group=None, trace=None) -> None:
     has finished: step i's send is waited for before step i+2's receive is posted. (One case needs
     an argument rather than a wait: with 2 ranks, the first all-gather receive lands in the chunk
     the first reduce-scatter step sent. The neighbour fills it with a sum it can only finish after
-    it has received every byte of that send.) `trace`: told when each step starts sending (with the
-    previous step's receives, whose completion it may query) and when its last segment has arrived
-    (zeronb.ledger.RingTracer), or None."""
-    if not steps or steps[0].recv.numel() == 0:
-        return
-    rank, n = world(group)
-    nxt, prv = peer(group, (rank + 1) % n), peer(group, (rank - 1) % n)  # (global ranks)
-    segments = _segments(steps[0].recv.numel(), steps[0].recv.element_size(), segment_bytes)
+    it has received every byte of that send.)"""
+    segments = link.segments
     ahead = _receives_ahead(steps[0].recv)
-    sends, recvs = {}, {}
-
-    def post(k, send_step=None, recv_step=None):
-        """Post segment k of one step's send and/or one step's receive, together."""
-        a, b = segments[k]
-        ops = []
-        if recv_step is not None:
-            ops.append(dist.P2POp(dist.irecv, steps[recv_step].recv[a:b], prv, group))
-        if send_step is not None:
-            if trace:  # (and the previous step's receives, to ask whether they are still arriving)
-                trace.sending(send_step, steps[send_step].send.device,
-                              [w for (j, _), w in recvs.items() if j == send_step - 1])
-            ops.append(dist.P2POp(dist.isend, steps[send_step].send[a:b], nxt, group))
-        works = dist.batch_isend_irecv(ops)
-        if recv_step is not None:
-            recvs[recv_step, k] = works[0]
-        if send_step is not None:
-            sends[send_step, k] = works[-1]
-
     for k in range(len(segments)):
-        post(k, send_step=0, recv_step=0)
+        link.post(k, send_step=0, recv_step=0)
     for j in range(1, min(ahead, len(steps))):
         for k in range(len(segments)):
-            post(k, recv_step=j)
+            link.post(k, recv_step=j)
     for i, step in enumerate(steps):
         for k, (a, b) in enumerate(segments):
-            recvs.pop((i, k)).wait()
+            link.received(i, k)
             if step.add_to is not None:  # the reduction, on this segment only
                 torch.add(step.add_to[a:b], step.recv[a:b], out=step.out[a:b])
                 if step.divide:
                     step.out[a:b].div_(step.divide)
-            if trace and k == len(segments) - 1:  # the step's last segment has arrived (and been added)
-                trace.done(i, phase=step.phase, send_chunk=step.send_chunk, recv_chunk=step.recv_chunk,
-                           nbytes=step.recv.numel() * step.recv.element_size(), device=step.recv.device)
             later = i + ahead if i + ahead < len(steps) else None
             if ahead == 1:  # NCCL: this step's send and receive are done, the next go out together
-                sends.pop((i, k)).wait()
+                link.sent(i, k)
                 if later is not None:
-                    post(k, send_step=later, recv_step=later)
+                    link.post(k, send_step=later, recv_step=later)
                 continue
             if i + 1 < len(steps):
-                post(k, send_step=i + 1)  # forward the segment at once
+                link.post(k, send_step=i + 1)  # forward the segment at once
             if later is not None:
-                sends.pop((i, k)).wait()  # its buffer may be the next receive's (a work is waited for once)
-                post(k, recv_step=later)
-    for work in sends.values():
-        work.wait()
+                link.sent(i, k)  # its buffer may be the next receive's (a work is waited for once)
+                link.post(k, recv_step=later)
+    link.all_sent()
 
 
-def _tracer(op: str, group):
-    """The ledger's tracer for this collective on this rank (None when nothing records)."""
-    rank, n = world(group)
-    return ledger.ring_tracer(op, peer(group, rank), peer(group, (rank + 1) % n), peer(group, (rank - 1) % n))
+def _ring(op: str, steps, segment_bytes: int, group) -> None:
+    """Run a ring collective's steps on this rank, through a link the ledger traces when it records
+    (zeronb.ledger.traced_link: chapter 4's pictures)."""
+    if not steps or steps[0].recv.numel() == 0:
+        return
+    segments = _segments(steps[0].recv.numel(), steps[0].recv.element_size(), segment_bytes)
+    rank, _ = world(group)
+    with ledger.scope(op):
+        _run_ring(steps, ledger.traced_link(Link(steps, segments, group), op, peer(group, rank)))
 
 
 def _flat_chunks(tensor: torch.Tensor, n: int, writable: bool) -> torch.Tensor:
@@ -226,9 +242,8 @@ def ring_reduce_scatter(tensor: torch.Tensor, *, average: bool = False, group=No
     shard = src[rank].clone()  # world size 1: the sum of one tensor is itself
     if n > 1:
         scratch, acc = _scratch(4, src.shape[1], src).split(2)
-        with ledger.scope("ring_reduce_scatter"):
-            _run_ring(_reduce_scatter_steps(rank, n, src, None, scratch, acc, shard, average),
-                      segment_bytes, group, _tracer("ring_reduce_scatter", group))
+        _ring("ring_reduce_scatter", _reduce_scatter_steps(rank, n, src, None, scratch, acc, shard, average),
+              segment_bytes, group)
     start, stop = bounds(tensor.numel(), n, rank)
     return shard[:stop - start]
 
@@ -247,8 +262,7 @@ def ring_all_gather(shard: torch.Tensor, numel: int, *, group=None,
     chunks = torch.empty(n, c, dtype=shard.dtype, device=shard.device)  # every chunk gets written
     chunks[rank, :want] = shard.reshape(-1)
     chunks[rank, want:] = 0  # this rank's padding (the others' arrives with their chunks)
-    with ledger.scope("ring_all_gather"):
-        _run_ring(_all_gather_steps(rank, n, chunks), segment_bytes, group, _tracer("ring_all_gather", group))
+    _ring("ring_all_gather", _all_gather_steps(rank, n, chunks), segment_bytes, group)
     return chunks.view(-1)[:numel]
 
 
@@ -266,10 +280,9 @@ def ring_all_reduce(tensor: torch.Tensor, *, average: bool = False, group=None,
         return tensor
     chunks = _flat_chunks(tensor, n, writable=True)
     scratch = _scratch(2, chunks.shape[1], chunks)
-    with ledger.scope("ring_all_reduce"):
-        steps = (_reduce_scatter_steps(rank, n, chunks, chunks, scratch, None, None, average)
-                 + _all_gather_steps(rank, n, chunks))
-        _run_ring(steps, segment_bytes, group, _tracer("ring_all_reduce", group))
+    steps = (_reduce_scatter_steps(rank, n, chunks, chunks, scratch, None, None, average)
+             + _all_gather_steps(rank, n, chunks))
+    _ring("ring_all_reduce", steps, segment_bytes, group)
     if chunks.data_ptr() != tensor.data_ptr():  # worked on a padded copy
         tensor.copy_(chunks.view(-1)[:tensor.numel()].view_as(tensor))
     return tensor

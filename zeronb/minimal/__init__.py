@@ -19,4 +19,6 @@ it updates; one step is forward, backward, `engine.step()`:
     engine = ZeRO1(model, lambda params: torch.optim.SGD(params, lr=0.1))
     model.loss(model(x), y).backward()
     engine.step()
+
+A layer of its own: it imports nothing of zeronb but the version shims (zeronb.runtime.compat).
 """

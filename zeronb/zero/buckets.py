@@ -11,6 +11,9 @@ a flat buffer of the full gradients, for DDP and ZeRO-1; `grad_shard`, this rank
 summed gradients, for ZeRO-1 during a step and for ZeRO-2 and ZeRO-3). It runs the collectives on
 them itself (`start_all_reduce` / `finish`, `reduce_scatter`); the stage decides when, and divides
 by N before they leave (zeronb.zero.flat.FlatStage.divided_).
+
+Observers see a bucket from outside: every change of its state (a gradient landed, a collective
+started or done) is told to `watcher`, the stage's observers (zeronb.zero.observe), if it has any.
 """
 from __future__ import annotations
 
@@ -50,6 +53,12 @@ class Bucket:
         self.comm = None         # the flat tensor a collective is carrying
         self.work = None         # that collective, while it is in flight
         self._into = None        # where an all-reduce in flight lands (a reduce_dtype copy is copied back)
+        self.watcher = None      # called as watcher(event, what) at each change below (a stage sets it)
+
+    def changed(self, event: str, what=None) -> None:
+        """Tell the watcher, if any, that `event` happened to this bucket (or to `what` in it)."""
+        if self.watcher is not None:
+            self.watcher(event, self if what is None else what)
 
     def chunk(self, rank: int, flat: torch.Tensor = None) -> torch.Tensor:
         """Rank `rank`'s chunk of `flat` (default: of the parameters)."""
@@ -78,6 +87,7 @@ class Bucket:
 
     def mark_ready(self, p) -> bool:
         """Note that `p`'s gradient has landed; True when it was the bucket's last."""
+        self.changed("gradient ready", p)
         self.ready.add(p)
         return len(self.ready) == len(self.params)
 
@@ -106,8 +116,11 @@ class Bucket:
         views see them). Into the flat buffer, which autograd never saw: each parameter is a view with a
         version counter of its own (`p.data = ...`), so backward reads the gathered values without
         calling them an in-place change (ZeRO-3 gathers between forward and backward). With
-        `async_op`, its work."""
-        return all_gather_single(self.data.data, shard, group=group, async_op=async_op)
+        `async_op`, its work (and whoever waits for it says when the parameters are here)."""
+        work = all_gather_single(self.data.data, shard, group=group, async_op=async_op)
+        if not async_op:
+            self.changed("gathered")
+        return work
 
     def fill_chunk(self, rank: int, values: torch.Tensor) -> None:
         """Write rank `rank`'s chunk of the parameters (through .data, as `all_gather`)."""
@@ -127,24 +140,27 @@ class Bucket:
         """Add this rank's chunk of the sum over `group` of `comm` (the gradients, flat and padded,
         that the stage put in flight) into `grad_shard` (`new_grad_shard`), then drop `comm`: only
         the shard remains."""
+        self.changed("reduce-scatter")
         reduce_scatter_into(self.grad_shard, self.comm, dtype=dtype, group=group, ring=ring)
         self.comm = None
+        self.changed("reduce-scatter done")
 
     def start_all_reduce(self, grads: torch.Tensor, *, dtype: torch.dtype | None = None, group=None) -> None:
         """Start the all-reduce of `grads` (flat, summed in place) in `dtype` (None: their own) and
         return at once: `finish` waits for it."""
         self.comm = grads if dtype in (None, grads.dtype) else grads.to(dtype)
         self.work, self._into = dist.all_reduce(self.comm, group=group, async_op=True), grads
+        self.changed("all-reduce")
 
-    def finish(self) -> bool:
-        """Wait for the all-reduce in flight and copy a reduce_dtype result back; False if none was."""
+    def finish(self) -> None:
+        """Wait for the all-reduce in flight, if one is, and copy a reduce_dtype result back."""
         if self.work is None:
-            return False
+            return
         self.work.wait()
         if self.comm is not self._into:
             self._into.copy_(self.comm)
         self.comm = self.work = self._into = None
-        return True
+        self.changed("all-reduce done")
 
     def pieces(self, flat: torch.Tensor, names: dict, rank: int | None = None) -> dict:
         """What `flat` - chunk `rank` of a tensor laid out like this bucket, or (rank None) all of

@@ -71,7 +71,7 @@ class DDP(FlatStage):
         # every rank updates the whole (replicated) model
         self.optimizer = ShardOptimizer([b.data for b in self.buckets], self.config, sharded=False)
 
-    def bucket_complete(self, b):
+    def post_backward(self, b):
         if self.sync_now():  # send it while backward goes on (accumulating: after the last micro-batch)
             self.all_reduce_bucket(b)
 
@@ -81,20 +81,18 @@ class DDP(FlatStage):
         into that average, and dividing and summing again adds its own average to it. In
         reduce_dtype if one is set."""
         b.start_all_reduce(self.divided_(b.grad), dtype=self.config.reduce_dtype, group=self.shard_group)
-        self.tell("all-reduce", b)
 
-    def _wait(self):
+    def wait_for_all_reduces(self):
         """Wait for every bucket's all-reduce (and copy a reduce_dtype result back)."""
         for b in self.buckets:
-            if b.finish():
-                self.tell("all-reduce done", b)
+            b.finish()
 
     def end_micro_batch(self):
         if not self.last_micro_batch and self.config.sync_each_micro_batch:
-            self._wait()  # the next backward adds into these averages: they must have arrived
+            self.wait_for_all_reduces()  # the next backward adds into these averages: they must have arrived
 
     def step(self):
-        self._wait()
+        self.wait_for_all_reduces()
         self.update(self.sum_over_replicas_([b.grad for b in self.buckets]))
         for b in self.buckets:
             b.grad.zero_()

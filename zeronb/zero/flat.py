@@ -5,6 +5,7 @@ and loads is zeronb.zero.saving's."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from .saving import FlatSaving
 from .stage import Stage
@@ -17,10 +18,24 @@ class FlatStage(FlatSaving, Stage):
 
     sharded = True
 
+    # -- the buckets, and what observers see of them -------------------------------------------
+
+    @property
+    def buckets(self) -> list:
+        """The stage's flat buckets (ZeRO-3's units). Setting them hands each one the stage's
+        observers, so that what happens to a bucket is seen from outside the stage's own code."""
+        return self._buckets
+
+    @buckets.setter
+    def buckets(self, buckets: list) -> None:
+        self._buckets = buckets
+        for b in buckets:
+            b.watcher = self.tell
+
     # -- what the stages share: gradient hooks, and the collectives on buckets ----------------
 
     def hook_gradients(self, buckets: list) -> None:
-        """Call `bucket_complete(b)` as soon as backward has produced the last gradient of bucket b
+        """Call `post_backward(b)` as soon as backward has produced the last gradient of bucket b
         (autograd's post-accumulate-grad hook on every parameter tells which has landed)."""
         self.bucket_of = {p: b for b in buckets for p in b.params}
         self.hooks += [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.bucket_of]
@@ -28,12 +43,23 @@ class FlatStage(FlatSaving, Stage):
 
     def _grad_ready(self, p):
         b = self.bucket_of[p]
-        self.tell("gradient ready", p)
         if b.mark_ready(p):
-            self.bucket_complete(b)
+            self.post_backward(b)
 
-    def bucket_complete(self, b) -> None:
-        """Every gradient of bucket b has landed in this micro-batch's backward."""
+    def post_backward(self, b) -> None:
+        """Every gradient of bucket b has landed in this micro-batch's backward (what a stage does
+        then is its own)."""
+
+    def watch_units(self, units: list) -> None:
+        """Hooks for the observers on each unit's module, after the stage's own (so that they fire
+        after them): "forward" once the unit's parameters are here, "backward" likewise; "forward
+        done" goes first (prepend), before the stage frees them. (The rest of what observers see
+        comes from the units themselves.)"""
+        for u in units:
+            self.hooks += [
+                u.module.register_forward_pre_hook(lambda m, args, u=u: self.tell("forward", u)),
+                u.module.register_forward_hook(lambda m, args, out, u=u: self.tell("forward done", u), prepend=True),
+                u.module.register_full_backward_pre_hook(lambda m, grad_out, u=u: self.tell("backward", u))]
 
     def begin_micro_batch(self):
         for b in self.buckets:
@@ -44,37 +70,32 @@ class FlatStage(FlatSaving, Stage):
         is reduce-scattered into this rank's shard, `b.grad_shard` (added to what is there); then
         that tensor goes too. In reduce_dtype if one is set; through zeronb's ring if config says so."""
         b.comm = self.divided_(b.take_grads() if grads is None else grads)
-        self.tell("reduce-scatter", b)
         b.reduce_scatter(dtype=self.config.reduce_dtype, group=self.shard_group, ring=self.config.reduce_scatter == "ring")
-        self.tell("reduce-scatter done", b)
 
     def gather_parameters(self) -> None:
         """Every bucket's full parameters again, from every rank's (updated or loaded) shard."""
         for b in self.buckets:
+            # the input a copy: the collective writes the buffer this chunk is a view of
             b.all_gather(b.chunk(self.shard_rank).clone(), group=self.shard_group)
-            self.tell("gathered", b)
 
     def divided_(self, grads: torch.Tensor) -> torch.Tensor:
         """In place, just before gradients leave for their first collective: divided by the number
-        of ranks whose gradients are averaged (shards x replicas), before the sum as PyTorch's
-        DDP (which scales by 1/N as it copies each gradient into its bucket) and FSDP do.
-        Every sum that comes back is then an average, and a sum of many low-precision gradients
-        cannot overflow. The one place zeronb's stages divide: by hand, so that every torch version
-        and backend the course supports behaves the same. gloo's all-reduce gained ReduceOp.AVG only
-        in March 2025 (pytorch/pytorch#149781), and gloo's reduce-scatter, an all-reduce of a copy,
-        did not hand it the op: it accepted AVG and silently summed (pytorch/pytorch#162338, which
-        FSDP2 ran into) until a fix merged in December 2025 (pytorch/pytorch#171458)."""
+        of ranks whose gradients are averaged (shards x replicas), before the sum, as PyTorch's DDP
+        and FSDP do. Every sum that comes back is then an average, and a sum of many low-precision
+        gradients cannot overflow. By hand rather than with ReduceOp.AVG, which not every torch
+        version and backend the course supports has or honours (chapter 3 tells the story)."""
         return grads.div_(self.data_parallel)
 
     def sum_over_replicas_(self, grads: list) -> list:
         """In place: the (already divided) gradients summed over the replicas, the ranks that hold
-        the same shards (HSDP; nothing without replicas). Only shards travel; in reduce_dtype if
-        one is set."""
-        if self.replica_group is not None:  # (grads: one per bucket, in order)
-            for b, g in zip(self.buckets, grads):
-                b.start_all_reduce(g, dtype=self.config.reduce_dtype, group=self.replica_group)
-            for b in self.buckets:
-                b.finish()
+        the same shards (HSDP, chapter 13; nothing without replicas). Only shards travel; in
+        reduce_dtype if one is set."""
+        if self.replica_group is not None:
+            for g in grads:
+                sent = g if self.config.reduce_dtype in (None, g.dtype) else g.to(self.config.reduce_dtype)
+                dist.all_reduce(sent, group=self.replica_group)
+                if sent is not g:
+                    g.copy_(sent)
         return grads
 
     def update(self, grads: list) -> None:

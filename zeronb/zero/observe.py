@@ -1,8 +1,10 @@
 """Watching a stage from outside: timelines, memory and gradients, recorded by observers.
 
-A stage calls each of its observers as `observer(stage, event, where)` at the points below, and
-does nothing else for them: without observers nothing is timed, walked or recorded, and with
-them the algorithm runs exactly as it would without. An observer is any callable; the classes
+Each observer is called as `observer(stage, event, where)` at the points below, and nothing else
+is done for them: without observers nothing is timed, walked or recorded, and with them the
+algorithm runs exactly as it would without. The algorithm itself tells nobody: the step's outline
+does (Stage.train_step), the buckets and units tell what changes in them (Bucket.changed), and the
+observers' own module hooks tell a unit's forward and backward (FlatStage.watch_units). An observer is any callable; the classes
 here are the ones the chapters and the train CLI use.
 
 Every stage (zeronb.zero.stage.Stage.train_step):
@@ -13,7 +15,7 @@ Every stage (zeronb.zero.stage.Stage.train_step):
     "step done", None
     "step failed", None        the step raised: an observer holding something open lets it go
 
-Inside backward and the step, where a stage does it (`where` a parameter, a bucket or a unit):
+Inside backward and the step, as a bucket or unit changes (`where` a parameter, a bucket or a unit):
     "gradient ready", p                   DDP, ZeRO-2, ZeRO-3: p's gradient has landed
     "all-reduce", bucket                  DDP: issued; `bucket.work` is in flight
     "all-reduce done", bucket             DDP: waited for
@@ -21,8 +23,9 @@ Inside backward and the step, where a stage does it (`where` a parameter, a buck
     "reduce-scatter done", bucket/unit
     "all-gather", unit                    ZeRO-3: issued; `unit.work` is in flight
     "gathered", unit/bucket               waited for: the full parameters are here
-    "forward", unit / "forward done", unit        ZeRO-3: the unit's forward
-    "backward", unit / "backward done", unit      ZeRO-3: the unit's backward (to its last gradient)
+    "forward", unit / "forward done", unit        ZeRO-3: the unit's forward (observers' module hooks)
+    "backward", unit                      ZeRO-3: the unit's backward begins (an observers' module hook)
+    "backward done", unit                 ZeRO-3: the unit's last gradient has landed
     "freed", unit                         ZeRO-3: the full parameters are dropped
 """
 from __future__ import annotations

@@ -41,7 +41,7 @@ class ZeRO2(FlatStage):
         self.optimizer = ShardOptimizer([b.chunk(self.shard_rank) for b in self.buckets], self.config,
                                         group=self.shard_group)
 
-    def bucket_complete(self, b):
+    def post_backward(self, b):
         if self.sync_now():  # (accumulating: the full gradients add up until the last micro-batch)
             self.reduce_scatter_bucket(b)  # only this rank's shard of the sum stays
 

@@ -55,48 +55,62 @@ def _quiet_backward_hooks():
 
 class Unit(Bucket):
     """One unit's parameters: a flat buffer of the full parameters that comes and goes, and this
-    rank's shard of them, which stays. Gathering a unit that is here (or on its way), or freeing
-    one that is not, does nothing: the unit keeps track itself."""
+    rank's shard of them, which stays. `state` says where the full parameters are: "sharded" (not
+    here: the buffer's storage is 0 bytes), "unsharding" (the all-gather is on its way, `work`),
+    "unsharded" (here). Unsharding a unit that is not sharded, or resharding one that is, does
+    nothing. (FSDP2's words: unshard, reshard.) Every change is told to the stage's observers."""
 
     def __init__(self, index: int, module: torch.nn.Module, rank: int, shards: int):
         super().__init__(list(module.parameters()), shards, f"unit{index}")
         self.index, self.module = index, module
-        self.shard = self.chunk(rank).clone()  # the only copy of the parameters kept
+        # the only copy of the parameters kept: a copy, not a view, which would vanish with the
+        # buffer's storage when `reshard` resizes it to 0 bytes
+        self.shard = self.chunk(rank).clone()
         self.new_grad_shard()
         self.nbytes = self.data.untyped_storage().nbytes()
-        self.gathered, self._finish = True, None
+        self.state, self._complete = "unsharded", None
+        self.reshard()
 
-    def free(self) -> None:
-        """Drop the full parameters: only the shard remains (again: nothing changes)."""
+    def reshard(self) -> None:
+        """Drop the full parameters: only the shard remains."""
+        if self.state == "sharded":
+            return
         self.data.untyped_storage().resize_(0)
-        self.gathered = False
+        self.state = "sharded"
+        self.changed("freed")
 
-    def gather(self, group) -> bool:
-        """Issue the all-gather of the full parameters into the unit's buffer (Bucket.all_gather), unless
-        they are here or on their way (False); `wait` waits for it."""
-        return self.gather_with(lambda: self.all_gather(self.shard, group, async_op=True))
+    def unshard(self, group) -> None:
+        """Issue the all-gather of the full parameters into the unit's buffer (Bucket.all_gather);
+        `wait_for_unshard` waits for it."""
+        self.unshard_with(lambda: self.all_gather(self.shard, group, async_op=True))
 
-    def gather_with(self, start, finish=None) -> bool:
-        """Gather the full parameters some way (ZeRO++ has two more): give them their storage back,
-        and `start()` issues the collective and returns its work; `finish()`, if given, completes the
-        buffer once the work is done (`wait` runs it). False, doing nothing, if they are here or on
-        their way already."""
-        if self.gathered or self.work is not None:
-            return False
+    def unshard_with(self, start, complete=None) -> None:
+        """Unshard some way (ZeRO++ has two more): give the buffer its storage back, and `start()`
+        issues the collective and returns its work; `complete()`, if given, fills the buffer from what
+        arrived, once the work is done."""
+        if self.state != "sharded":
+            return
         self.data.untyped_storage().resize_(self.nbytes)
-        self.work, self._finish = start(), finish
-        return True
+        self.work, self._complete = start(), complete
+        self.state = "unsharding"
+        self.changed("all-gather")
 
-    def wait(self) -> bool:
-        """Wait for the gather on its way, and finish it; False if none was."""
-        if self.work is None:
-            return False
+    def wait_for_unshard(self) -> None:
+        """Wait for the all-gather on its way, if one is: then the full parameters are here."""
+        if self.state != "unsharding":
+            return
         self.work.wait()
-        if self._finish is not None:
-            self._finish()
-        self.work = self._finish = None
-        self.gathered = True
-        return True
+        if self._complete is not None:
+            self._complete()
+        self.work = self._complete = None
+        self.state = "unsharded"
+        self.changed("gathered")
+
+    def mark_ready(self, p) -> bool:
+        last = super().mark_ready(p)
+        if last:
+            self.changed("backward done")  # (to the unit's last gradient)
+        return last
 
 
 def check_units(model: torch.nn.Module, modules: list) -> None:
@@ -124,61 +138,52 @@ class ZeRO3(FlatStage):
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         modules = model.units() if units is None else units
         check_units(model, modules)
-        self.units = self.buckets = [Unit(i, m, self.shard_rank, self.num_shards) for i, m in enumerate(modules)]
+        self.buckets = [Unit(i, m, self.shard_rank, self.num_shards) for i, m in enumerate(modules)]
         for u in self.units:
-            self.hooks += [u.module.register_forward_pre_hook(lambda m, args, u=u: self._before_forward(u)),
-                           u.module.register_forward_hook(lambda m, args, out, u=u: self._after_forward(u)),
-                           u.module.register_full_backward_pre_hook(lambda m, grad_out, u=u: self._before_backward(u))]
-            u.free()
-        self.hook_gradients(self.units)  # -> bucket_complete(u) when the unit's last gradient lands
+            self.hooks += [u.module.register_forward_pre_hook(lambda m, args, u=u: self.pre_forward(u)),
+                           u.module.register_forward_hook(lambda m, args, out, u=u: self.post_forward(u)),
+                           u.module.register_full_backward_pre_hook(lambda m, grad_out, u=u: self.pre_backward(u))]
+        self.hook_gradients(self.units)  # -> post_backward(u) when the unit's last gradient lands
+        self.watch_units(self.units)
         self.optimizer = ShardOptimizer([u.shard for u in self.units], self.config, group=self.shard_group)
+
+    @property
+    def units(self) -> list:
+        """The stage's buckets, one per unit (ZeRO-3's word for them)."""
+        return self.buckets
 
     def gradient_sync(self, sync):
         return _quiet_backward_hooks()  # (the micro-batch's forward and backward run inside)
 
     # -- the hooks, in the order they fire ------------------------------------------------------
 
-    def _before_forward(self, u):
-        self._gather(u)
+    def pre_forward(self, u):
+        self.unshard(u)
+        u.wait_for_unshard()
         if self.prefetch and u.index + 1 < len(self.units):
-            self._issue_gather(self.units[u.index + 1])  # overlap: the next unit's all-gather
-        self.tell("forward", u)
+            self.unshard(self.units[u.index + 1])  # overlap: the next unit's all-gather starts now
 
-    def _after_forward(self, u):
-        self.tell("forward done", u)
+    def post_forward(self, u):
         last = u.index == len(self.units) - 1  # its backward comes next: keep it
         if self.reshard_after_forward and not last:
-            self._free(u)
+            u.reshard()
 
-    def _before_backward(self, u):
-        self._gather(u)
+    def pre_backward(self, u):
+        self.unshard(u)
+        u.wait_for_unshard()
         if self.prefetch and u.index > 0:
-            self._issue_gather(self.units[u.index - 1])
-        self.tell("backward", u)
+            self.unshard(self.units[u.index - 1])
 
-    def bucket_complete(self, u):
+    def post_backward(self, u):
         """The unit's last gradient has landed: reduce-scatter its gradients into the shard (ZeRO-2's
         way), and free its full parameters."""
-        self.tell("backward done", u)
         if self.sync_now():  # (else, accumulating: the full gradients stay until the last micro-batch)
             self.reduce_scatter_bucket(u)
-        self._free(u)
+        u.reshard()
 
-    # -- gathering and freeing ------------------------------------------------------------------
-
-    def _issue_gather(self, u):
-        if u.gather(self.shard_group):
-            self.tell("all-gather", u)
-
-    def _gather(self, u):
-        """Make sure the unit's full parameters are here (waiting for a prefetch if one is on its way)."""
-        self._issue_gather(u)
-        if u.wait():
-            self.tell("gathered", u)
-
-    def _free(self, u):
-        u.free()
-        self.tell("freed", u)
+    def unshard(self, u):
+        """Issue the all-gather of the unit's full parameters (ZeRO++ gathers in other ways)."""
+        u.unshard(self.shard_group)
 
     # -- the step ---------------------------------------------------------------------------------
 
@@ -198,9 +203,11 @@ class ZeRO3(FlatStage):
     def full_parameters(self):
         out = {}
         for u in self.units:
-            u.gather(self.shard_group)
-            u.wait()  # (a unit gathered already stays as it is until free)
+            kept = u.state == "unsharded"
+            u.unshard(self.shard_group)
+            u.wait_for_unshard()
             for p in u.params:
                 out[self.names[p]] = p.detach().clone()
-            u.free()
+            if not kept:
+                u.reshard()
         return out

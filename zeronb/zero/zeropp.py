@@ -76,29 +76,27 @@ class ZeROPlusPlus(ZeRO3):
         super().begin_micro_batch()
         self.in_backward = False
 
-    def _before_backward(self, u):
+    def pre_backward(self, u):
         self.in_backward = True
-        super()._before_backward(u)
+        super().pre_backward(u)
 
-    def _after_forward(self, u):
+    def post_forward(self, u):
         if self.hpz:  # this rank's 1/g of the unit, while it is here: what the node gathers in backward
             node = self.node_group
             self.secondary[u.index] = u.piece(dist.get_rank(node), dist.get_world_size(node)).clone()
-        super()._after_forward(u)
+        super().post_forward(u)
 
-    def _issue_gather(self, u: Unit):
+    def unshard(self, u: Unit):
         if self.in_backward and self.hpz and u.index in self.secondary:  # within the node: the secondary shards
             secondary = self.secondary[u.index]
-            issued = u.gather_with(lambda: u.all_gather(secondary, self.node_group, async_op=True))
+            u.unshard_with(lambda: u.all_gather(secondary, self.node_group, async_op=True))
         elif not self.in_backward and self.quantize_weights:
-            issued = u.gather_with(*self._quantized_gather(u))
+            u.unshard_with(*self._quantized_gather(u))
         else:
-            return super()._issue_gather(u)
-        if issued:
-            self.tell("all-gather", u)
+            super().unshard(u)
 
     def _quantized_gather(self, u: Unit):
-        """qwZ's gather as (start, finish): every rank's shard in int8 with its scales, in one message;
+        """qwZ's gather as (start, complete): every rank's shard in int8 with its scales, in one message;
         then each rank's piece dequantized into the unit's buffer."""
         sent = {}
 
@@ -108,11 +106,11 @@ class ZeROPlusPlus(ZeRO3):
             sent.update(full=packed.new_empty(self.num_shards * packed.numel()), n=values.numel())
             return all_gather_single(sent["full"], packed, group=self.shard_group, async_op=True)
 
-        def finish():
+        def complete():
             n = sent["n"]
             for r, row in enumerate(sent["full"].view(self.num_shards, -1)):
                 u.fill_chunk(r, dequantize_int8(row[:n], row[n:].view(torch.float32), u.chunk_numel))
-        return start, finish
+        return start, complete
 
     def step(self):
         super().step()

@@ -173,11 +173,11 @@ world("05_bandwidth", "a sweep that labels its times with the sizes reversed",
 def _segment_size_ignored():
     """ring_all_reduce drops the segment size it is given and cuts every chunk at the default."""
     def patch(ring):
-        run = ring._run_ring
+        run = ring._ring
 
-        def default_segments(steps, segment_bytes, group=None, trace=None):
-            return run(steps, ring.SEGMENT_BYTES, group, trace)
-        ring._run_ring = default_segments
+        def default_segments(op, steps, segment_bytes, group):
+            return run(op, steps, ring.SEGMENT_BYTES, group)
+        ring._ring = default_segments
     when_imported("zeronb.collectives.ring", patch)
 
 

@@ -108,13 +108,15 @@ def _zero3_keeps_last_unit_gathered():
     """ZeRO-3 does not free a unit after its backward when it is the last unit (whose forward kept it
     gathered already): its full parameters stay from one step to the next."""
     def patch(m):
-        free = m.ZeRO3._free
+        post_backward = m.ZeRO3.post_backward
 
-        def _free(self, u):
-            if u.index == len(self.units) - 1 and self.model.training and u.gathered:
-                return
-            free(self, u)
-        m.ZeRO3._free = _free
+        def post_backward_keeping_the_last(self, u):
+            if u.index == len(self.units) - 1 and self.model.training:
+                if self.sync_now():
+                    self.reduce_scatter_bucket(u)
+                return  # (not resharded: it stays gathered into the next step)
+            post_backward(self, u)
+        m.ZeRO3.post_backward = post_backward_keeping_the_last
     when_imported("zeronb.zero.zero3", patch)
 
 

@@ -194,7 +194,7 @@ def _ddp_launches_after_backward():
             for b in self.buckets:
                 self.all_reduce_bucket(b)
             step(self)
-        m.DDP.bucket_complete = lambda self, b: None
+        m.DDP.post_backward = lambda self, b: None
         m.DDP.step = launch_all_then_step
     when_imported("zeronb.zero.ddp", patch)
 

@@ -50,14 +50,14 @@ world("09_zero2", "buckets made in forward order", "bucket 0 holds the last laye
 def _reduce_scatters_after_backward():
     """ZeRO-2 whose hooks only count, and which reduce-scatters every bucket once backward is done."""
     def patch(m):
-        def bucket_complete(self, b):
+        def post_backward(self, b):
             pass
 
         def end_micro_batch(self):
             if self.sync_now():
                 for b in self.buckets:
                     self.reduce_scatter_bucket(b)
-        m.ZeRO2.bucket_complete, m.ZeRO2.end_micro_batch = bucket_complete, end_micro_batch
+        m.ZeRO2.post_backward, m.ZeRO2.end_micro_batch = post_backward, end_micro_batch
     when_imported("zeronb.zero.zero2", patch)
 
 
@@ -103,7 +103,7 @@ def _all_reduces_parameters():
                 b.data.data.zero_()
                 b.chunk(self.shard_rank, b.data.data).copy_(mine)
                 dist.all_reduce(b.data.data, group=self.shard_group)
-                self.tell("gathered", b)
+                b.changed("gathered")
         m.ZeRO2.gather_parameters = gather_parameters
     when_imported("zeronb.zero.zero2", patch)
 

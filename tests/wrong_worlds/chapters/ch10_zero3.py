@@ -28,11 +28,10 @@ def _gathers_last_unit_twice():
     """The last unit freed after its forward like the others, and gathered again for its backward (what FSDP2
     does by default)."""
     def patch(m):
-        def _after_forward(self, u):
-            self.tell("forward done", u)
+        def post_forward(self, u):
             if self.reshard_after_forward:
-                self._free(u)
-        m.ZeRO3._after_forward = _after_forward
+                u.reshard()
+        m.ZeRO3.post_forward = post_forward
     when_imported("zeronb.zero.zero3", patch)
 
 
@@ -58,16 +57,16 @@ world("10_zero3", "ZeRO-3 all-reduces its gradients", "no all-reduce: here each 
 
 
 def _keeps_a_copy_of_freed_units():
-    """Unit.free keeps a copy of the full parameters it releases (a cache to skip a gather): the stage's
+    """Unit.reshard keeps a copy of the full parameters it releases (a cache to skip a gather): the stage's
     own list of its tensors does not name it."""
     def patch(m):
-        free = m.Unit.free
+        reshard = m.Unit.reshard
 
         def keep_a_copy(self):
             if self.data.untyped_storage().nbytes():
                 self._cache = self.data.detach().clone()
-            free(self)
-        m.Unit.free = keep_a_copy
+            reshard(self)
+        m.Unit.reshard = keep_a_copy
     when_imported("zeronb.zero.zero3", patch)
 
 
@@ -76,12 +75,15 @@ world("10_zero3", "ZeRO-3 keeps a copy of every unit it frees", "between steps a
 
 
 def _frees_by_zeroing():
-    """Unit.free zeroes the full parameters instead of releasing their storage."""
+    """Unit.reshard zeroes the full parameters instead of releasing their storage."""
     def patch(m):
         def zero_instead(self):
+            if self.state == "sharded":
+                return
             self.data.data.zero_()
-            self.gathered = False
-        m.Unit.free = zero_instead
+            self.state = "sharded"
+            self.changed("freed")
+        m.Unit.reshard = zero_instead
     when_imported("zeronb.zero.zero3", patch)
 
 
@@ -148,13 +150,12 @@ def _kept_units_go_stale():
     """reshard_after_forward=False keeps each unit gathered after its backward too, into the next step: the next
     forward computes with the parameters of before the optimizer step."""
     def patch(m):
-        def bucket_complete(self, u):
-            self.tell("backward done", u)
+        def post_backward(self, u):
             if self.sync_now():
                 self.reduce_scatter_bucket(u)
             if self.reshard_after_forward:
-                self._free(u)
-        m.ZeRO3.bucket_complete = bucket_complete
+                u.reshard()
+        m.ZeRO3.post_backward = post_backward
     when_imported("zeronb.zero.zero3", patch)
 
 

@@ -58,13 +58,12 @@ def _zero3_keeps_units_between_micro_batches():
     """ZeRO-3 keeps a unit gathered after its backward until the last micro-batch (FSDP2's
     set_reshard_after_backward(False)): the next micro-batch's forward finds it gathered."""
     def patch(m):
-        def bucket_complete(self, u):
-            self.tell("backward done", u)
+        def post_backward(self, u):
             if self.sync_now():
                 self.reduce_scatter_bucket(u)
             if self.last_micro_batch:
-                self._free(u)
-        m.ZeRO3.bucket_complete = bucket_complete
+                u.reshard()
+        m.ZeRO3.post_backward = post_backward
     when_imported("zeronb.zero.zero3", patch)
 
 
@@ -110,10 +109,10 @@ world("12_practice", "buckets that keep the last tensor they sent", "an engine h
 
 def _zero2_keeps_full_gradients():
     def patch(m):
-        def bucket_complete(self, b):
+        def post_backward(self, b):
             if self.sync_now():
                 self.reduce_scatter_bucket(b, b.flatten_grads())  # a copy: each .grad stays
-        m.ZeRO2.bucket_complete = bucket_complete
+        m.ZeRO2.post_backward = post_backward
     when_imported("zeronb.zero.zero2", patch)
 
 
@@ -325,14 +324,13 @@ def _zero3_keeps_units_in_backward():
     def patch(m):
         import torch
 
-        after = m.ZeRO3._after_forward
+        after = m.ZeRO3.post_forward
 
-        def _after_forward(self, u):
+        def post_forward(self, u):
             if torch._C._current_graph_task_id() != -1:
-                self.tell("forward done", u)
                 return
             after(self, u)
-        m.ZeRO3._after_forward = _after_forward
+        m.ZeRO3.post_forward = post_forward
     when_imported("zeronb.zero.zero3", patch)
 
 
@@ -445,12 +443,13 @@ def _zero3_gathers_again_in_the_recompute():
     replace("zeronb.models", "checkpoint_activations", checkpoint_activations)
 
     def patch(m):
-        before = m.ZeRO3._before_forward
+        before = m.ZeRO3.pre_forward
 
-        def _before_forward(self, u):
-            u.gathered = False  # gather again, even if the unit is here
+        def pre_forward(self, u):
+            if u.state == "unsharded":
+                u.state = "sharded"  # gather again, even if the unit is here
             before(self, u)
-        m.ZeRO3._before_forward = _before_forward
+        m.ZeRO3.pre_forward = pre_forward
     when_imported("zeronb.zero.zero3", patch)
 
 

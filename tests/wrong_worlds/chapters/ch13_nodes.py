@@ -223,13 +223,13 @@ world("13_nodes", "a qwZ that quantizes nothing", "qwZ sends int8 blocks and cos
 
 def _hpz_backward_over_every_rank():
     def patch(m):
-        issue = m.ZeROPlusPlus._issue_gather
+        unshard = m.ZeROPlusPlus.unshard
 
-        def _issue_gather(self, u):
+        def unshard_over_every_rank_in_backward(self, u):
             if self.in_backward:
-                return m.ZeRO3._issue_gather(self, u)
-            return issue(self, u)
-        m.ZeROPlusPlus._issue_gather = _issue_gather
+                return m.ZeRO3.unshard(self, u)
+            return unshard(self, u)
+        m.ZeROPlusPlus.unshard = unshard_over_every_rank_in_backward
     when_imported("zeronb.zero.zeropp", patch)
 
 
@@ -270,9 +270,9 @@ world("13_nodes", "an HSDP sharded over every rank", "HSDP shards within the nod
 
 def _hpz_also_keeps_whole_units():
     def patch(m):
-        after, step = m.ZeROPlusPlus._after_forward, m.ZeROPlusPlus.step
+        after, step = m.ZeROPlusPlus.post_forward, m.ZeROPlusPlus.step
 
-        def _after_forward(self, u):
+        def post_forward(self, u):
             if self.hpz:
                 self.__dict__.setdefault("whole_units", {})[u.index] = u.data.detach().clone()
             after(self, u)
@@ -280,7 +280,7 @@ def _hpz_also_keeps_whole_units():
         def step_(self):
             step(self)
             self.__dict__.get("whole_units", {}).clear()
-        m.ZeROPlusPlus._after_forward, m.ZeROPlusPlus.step = _after_forward, step_
+        m.ZeROPlusPlus.post_forward, m.ZeROPlusPlus.step = post_forward, step_
     when_imported("zeronb.zero.zeropp", patch)
 
 

@@ -53,10 +53,10 @@ world("14_summary", "gloo with a real reduce-scatter (chapter 14)", "gloo runs a
 def _zero2_keeps_full_gradients():
     """ZeRO-2 reduce-scatters a copy of each bucket's gradients and keeps the full ones (a ZeRO-1 in memory)."""
     def patch(m):
-        def bucket_complete(self, b):
+        def post_backward(self, b):
             if self.sync_now():
                 self.reduce_scatter_bucket(b, grads=b.flatten_grads())  # (take_grads would drop them)
-        m.ZeRO2.bucket_complete = bucket_complete
+        m.ZeRO2.post_backward = post_backward
     when_imported("zeronb.zero.zero2", patch)
 
 
