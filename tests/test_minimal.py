@@ -47,7 +47,7 @@ def test_ring_by_hand_is_the_ring(gloo_pool, n):
 def _train(engine_name, optimizer, model_kind):
     """Train STEPS steps twice from the same model, with the full engine and with the minimal one;
     return both models' parameters and the collectives of each one's last step."""
-    from zeronb import device, minimal
+    from zeronb import device
     from zeronb.ledger import CommLedger
     from zeronb.models import Config, local_batch, make_model
     from zeronb.zero import DDP, ZeRO1, ZeRO2, ZeRO3, StageConfig
