@@ -47,7 +47,7 @@ class NaiveDDP(FlatStage):
     def step(self):
         for p in self.params:
             dist.all_reduce(self.divided_(p.grad), group=self.shard_group)  # the sum of g/N: the average
-        self.update(self.sum_over_replicas_([p.grad for p in self.params]))
+        self.update([p.grad for p in self.params])
         for p in self.params:
             p.grad = None
 
@@ -93,7 +93,7 @@ class DDP(FlatStage):
 
     def step(self):
         self.wait_for_all_reduces()
-        self.update(self.sum_over_replicas_([b.grad for b in self.buckets]))
+        self.update([b.grad for b in self.buckets])
         for b in self.buckets:
             b.grad.zero_()
 

@@ -86,22 +86,24 @@ class FlatStage(FlatSaving, Stage):
         version and backend the course supports has or honours (chapter 3 tells the story)."""
         return grads.div_(self.data_parallel)
 
-    def sum_over_replicas_(self, grads: list) -> list:
+    def update(self, grads: list) -> None:
+        """The optimizer step on this rank's shards, with their averaged gradients (one per shard;
+        with replicas, summed over them first)."""
+        self.sum_over_replicas_(grads)
+        self.tell("optimizer step", grads)
+        self.optimizer.step(grads)
+
+    def sum_over_replicas_(self, grads: list) -> None:
         """In place: the (already divided) gradients summed over the replicas, the ranks that hold
         the same shards (HSDP, chapter 13; nothing without replicas). Only shards travel; in
         reduce_dtype if one is set."""
-        if self.replica_group is not None:
-            for g in grads:
-                sent = g if self.config.reduce_dtype in (None, g.dtype) else g.to(self.config.reduce_dtype)
-                dist.all_reduce(sent, group=self.replica_group)
-                if sent is not g:
-                    g.copy_(sent)
-        return grads
-
-    def update(self, grads: list) -> None:
-        """The optimizer step on this rank's shards, with their averaged gradients."""
-        self.tell("optimizer step", grads)
-        self.optimizer.step(grads)
+        if self.replica_group is None:
+            return
+        for g in grads:
+            sent = g if self.config.reduce_dtype in (None, g.dtype) else g.to(self.config.reduce_dtype)
+            dist.all_reduce(sent, group=self.replica_group)
+            if sent is not g:
+                g.copy_(sent)
 
     @property
     def last_grad_norm(self):

@@ -47,7 +47,7 @@ class ZeRO1(FlatStage):
 
     def step(self):
         # 3. the optimizer on the owned shard, with its average gradient
-        self.update(self.sum_over_replicas_([self.flat.grad_shard]))
+        self.update([self.flat.grad_shard])
         self.flat.free_grad_shard()
         # 4. all-gather the updated shards into the full parameters
         self.gather_parameters()

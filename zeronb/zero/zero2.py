@@ -46,7 +46,7 @@ class ZeRO2(FlatStage):
             self.reduce_scatter_bucket(b)  # only this rank's shard of the sum stays
 
     def step(self):
-        self.update(self.sum_over_replicas_([b.grad_shard for b in self.buckets]))
+        self.update([b.grad_shard for b in self.buckets])
         for b in self.buckets:
             b.grad_shard.zero_()
         self.gather_parameters()

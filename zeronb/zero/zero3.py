@@ -189,7 +189,7 @@ class ZeRO3(FlatStage):
 
     def step(self):
         # the optimizer updates the shards; nothing to gather: the next forward will
-        self.update(self.sum_over_replicas_([u.grad_shard for u in self.units]))
+        self.update([u.grad_shard for u in self.units])
         for u in self.units:
             u.grad_shard.zero_()
 
