@@ -51,17 +51,18 @@ class ZeRO1:
             p.grad = self.grad[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
         c = size // self.world_size
-        self.shard = self.flat[rank * c:(rank + 1) * c]  # the parameters this rank updates (a view)
-        self.optimizer = optimizer([self.shard])          # and the only ones it keeps state for
+        # the parameters this rank updates: its chunk (its shard, and any padding), a view into `flat`
+        self.chunk = self.flat[rank * c:(rank + 1) * c]
+        self.optimizer = optimizer([self.chunk])          # and the only ones it keeps state for
 
     def step(self) -> None:
         # 2. rank r gets the sum of everyone's chunk r (each divided by N first: the average)
-        self.shard.grad = torch.empty_like(self.shard)
-        reduce_scatter_single(self.shard.grad, self.grad.div_(self.world_size))
+        self.chunk.grad = torch.empty_like(self.chunk)
+        reduce_scatter_single(self.chunk.grad, self.grad.div_(self.world_size))
         self.grad.zero_()
         # 3. the optimizer on the shard
         self.optimizer.step()
-        self.shard.grad = None  # (between steps a rank holds no gradient shard)
+        self.chunk.grad = None  # (between steps a rank holds no gradient shard)
         # 4. every rank's updated shard into the full parameters; the input is a copy, not a view of
         # the output the collective writes
-        all_gather_single(self.flat, self.shard.clone())
+        all_gather_single(self.flat, self.chunk.clone())

@@ -32,8 +32,9 @@ class Bucket:
         self.flat = torch.zeros(padded(sum(p.numel() for p in params), n), dtype=first.dtype, device=first.device)
         flatten_into(params, self.flat)
         c = self.flat.numel() // n
-        self.shard = self.flat[rank * c:(rank + 1) * c]  # the parameters this rank updates (a view)
-        self.shard.grad = torch.zeros_like(self.shard)    # the only gradient memory that stays
+        # the parameters this rank updates: its chunk (its shard, and any padding), a view into `flat`
+        self.chunk = self.flat[rank * c:(rank + 1) * c]
+        self.chunk.grad = torch.zeros_like(self.chunk)    # the only gradient memory that stays
         self.landed = 0
 
     def take_grads(self) -> torch.Tensor:
@@ -55,19 +56,19 @@ class ZeRO2:
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(lambda p, b=b: self._gradient_landed(b))
-        self.optimizer = optimizer([b.shard for b in self.buckets])  # state for the shards only
+        self.optimizer = optimizer([b.chunk for b in self.buckets])  # state for the shards only
 
     def _gradient_landed(self, b: Bucket) -> None:
         b.landed += 1
         if b.landed == len(b.params):  # the bucket's last gradient: keep only this rank's chunk of the sum
-            summed = torch.empty_like(b.shard)
+            summed = torch.empty_like(b.chunk)
             reduce_scatter_single(summed, b.take_grads().div_(self.world_size))  # (g/N summed: the average)
-            b.shard.grad += summed
+            b.chunk.grad += summed
             b.landed = 0
 
     def step(self) -> None:
         """After backward: the optimizer on the shards, then every bucket's parameters gathered."""
         self.optimizer.step()
         for b in self.buckets:
-            b.shard.grad.zero_()
-            all_gather_single(b.flat, b.shard.clone())  # (the input a copy, not a view of the output)
+            b.chunk.grad.zero_()
+            all_gather_single(b.flat, b.chunk.clone())  # (the input a copy, not a view of the output)

@@ -38,9 +38,10 @@ class Unit:
                                 device=first.device)
         flatten_into(self.params, self.flat)
         c = self.flat.numel() // n
-        # a copy, not a view: a view would vanish with the buffer's storage when it is freed
-        self.shard = self.flat[rank * c:(rank + 1) * c].clone()
-        self.shard.grad = torch.zeros_like(self.shard)
+        # this rank's chunk (its shard, and any padding): a copy, not a view, which would vanish with
+        # the buffer's storage when it is freed
+        self.chunk = self.flat[rank * c:(rank + 1) * c].clone()
+        self.chunk.grad = torch.zeros_like(self.chunk)
         self.nbytes = self.flat.untyped_storage().nbytes()
         self.unsharded, self.landed = True, 0
 
@@ -48,7 +49,7 @@ class Unit:
         """The full parameters, gathered from every rank's shard (nothing to do if they are here)."""
         if not self.unsharded:
             self.flat.untyped_storage().resize_(self.nbytes)
-            all_gather_single(self.flat, self.shard)
+            all_gather_single(self.flat, self.chunk)
             self.unsharded = True
 
     def reshard(self) -> None:
@@ -58,7 +59,7 @@ class Unit:
 
     def take_grads(self) -> torch.Tensor:
         """The unit's gradients moved into one flat, padded tensor: each .grad is dropped."""
-        flat = torch.zeros(self.flat.numel(), dtype=self.shard.dtype, device=self.shard.device)
+        flat = torch.zeros(self.flat.numel(), dtype=self.chunk.dtype, device=self.chunk.device)
         offset = 0
         for p in self.params:
             flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
@@ -77,7 +78,7 @@ class ZeRO3:
             for p in u.params:
                 p.register_post_accumulate_grad_hook(lambda p, u=u: self._gradient_landed(u))
             u.reshard()
-        self.optimizer = optimizer([u.shard for u in self.units])  # state for the shards only
+        self.optimizer = optimizer([u.chunk for u in self.units])  # state for the shards only
 
     def _post_forward(self, u: Unit, out: torch.Tensor) -> None:
         if out.requires_grad:  # before the unit's backward: the gradient of its output has arrived
@@ -88,9 +89,9 @@ class ZeRO3:
     def _gradient_landed(self, u: Unit) -> None:
         u.landed += 1
         if u.landed == len(u.params):  # the unit's last gradient: keep this rank's chunk of the sum
-            summed = torch.empty_like(u.shard)
+            summed = torch.empty_like(u.chunk)
             reduce_scatter_single(summed, u.take_grads().div_(self.world_size))  # (g/N summed: the average)
-            u.shard.grad += summed
+            u.chunk.grad += summed
             u.landed = 0
             u.reshard()
 
@@ -98,4 +99,4 @@ class ZeRO3:
         """After backward: the optimizer on the shards (the next forward gathers what it needs)."""
         self.optimizer.step()
         for u in self.units:
-            u.shard.grad.zero_()
+            u.chunk.grad.zero_()

@@ -29,8 +29,9 @@ class ZeRO1(FlatStage):
         self.buckets = make_buckets(list(model.parameters()), self.num_shards, None)  # one flat buffer, N chunks
         (self.flat,) = self.buckets
         self.flat.keep_grads_flat()                # 1. the full gradients, accumulated in place by autograd
-        self.shard = self.flat.chunk(self.shard_rank)    # the parameters this rank updates
-        self.optimizer = ShardOptimizer([self.shard], self.config, group=self.shard_group)  # state for the shard only
+        # the parameters this rank updates: its chunk, its shard and (on the last ranks) padding (zeronb.shards)
+        self.own_chunk = self.flat.chunk(self.shard_rank)
+        self.optimizer = ShardOptimizer([self.own_chunk], self.config, group=self.shard_group)  # state for the shard only
         # self.flat.grad_shard: the summed gradient of the shard, during a step only
 
     def end_micro_batch(self):

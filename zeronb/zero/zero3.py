@@ -63,9 +63,9 @@ class Unit(Bucket):
     def __init__(self, index: int, module: torch.nn.Module, rank: int, shards: int):
         super().__init__(list(module.parameters()), shards, f"unit{index}")
         self.index, self.module = index, module
-        # the only copy of the parameters kept: a copy, not a view, which would vanish with the
-        # buffer's storage when `reshard` resizes it to 0 bytes
-        self.shard = self.chunk(rank).clone()
+        # the only copy of the parameters kept: this rank's chunk (its shard, and any padding), a copy,
+        # not a view, which would vanish with the buffer's storage when `reshard` resizes it to 0 bytes
+        self.own_chunk = self.chunk(rank).clone()
         self.new_grad_shard()
         self.nbytes = self.data.untyped_storage().nbytes()
         self.state, self._complete = "unsharded", None
@@ -82,7 +82,7 @@ class Unit(Bucket):
     def unshard(self, group) -> None:
         """Issue the all-gather of the full parameters into the unit's buffer (Bucket.all_gather);
         `wait_for_unshard` waits for it."""
-        self.unshard_with(lambda: self.all_gather(self.shard, group, async_op=True))
+        self.unshard_with(lambda: self.all_gather(self.own_chunk, group, async_op=True))
 
     def unshard_with(self, start, complete=None) -> None:
         """Unshard some way (ZeRO++ has two more): give the buffer its storage back, and `start()`
@@ -145,7 +145,7 @@ class ZeRO3(FlatStage):
                            u.module.register_full_backward_pre_hook(lambda m, grad_out, u=u: self.pre_backward(u))]
         self.hook_gradients(self.units)  # -> post_backward(u) when the unit's last gradient lands
         self.watch_units(self.units)
-        self.optimizer = ShardOptimizer([u.shard for u in self.units], self.config, group=self.shard_group)
+        self.optimizer = ShardOptimizer([u.own_chunk for u in self.units], self.config, group=self.shard_group)
 
     @property
     def units(self) -> list:
@@ -195,7 +195,7 @@ class ZeRO3(FlatStage):
 
     def state_tensors(self):
         full = [u.data for u in self.units]  # storage of 0 bytes unless gathered
-        return {"params": [u.shard for u in self.units] + full,
+        return {"params": [u.own_chunk for u in self.units] + full,
                 "grads": [u.grad_shard for u in self.units] + [u.comm for u in self.units]
                          + [p.grad for p in self.model.parameters()],
                 "optimizer": self.optimizer.state_tensors()}

@@ -101,7 +101,7 @@ class ZeROPlusPlus(ZeRO3):
         sent = {}
 
         def start():
-            values, scale = quantize_int8(u.shard)
+            values, scale = quantize_int8(u.own_chunk)
             packed = torch.cat([values, scale.view(torch.int8)])  # one message: the values and their scales
             sent.update(full=packed.new_empty(self.num_shards * packed.numel()), n=values.numel())
             return all_gather_single(sent["full"], packed, group=self.shard_group, async_op=True)
