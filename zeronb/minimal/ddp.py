@@ -69,6 +69,8 @@ class DDP:
     def step(self) -> None:
         """After backward: wait for every bucket's all-reduce, then the optimizer step."""
         for b in self.buckets:
+            if b.work is None:  # (a parameter that forward did not use never gets a gradient)
+                raise RuntimeError("a bucket was never sent: every parameter needs a gradient in every backward")
             b.work.wait()
             b.work, b.landed = None, 0
         self.optimizer.step()

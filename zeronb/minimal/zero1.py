@@ -23,7 +23,9 @@ from ..runtime.compat import all_gather_single, reduce_scatter_single
 
 def flatten_into(params: list, flat: torch.Tensor) -> None:
     """Copy the parameters into `flat`, one after another, and make each a view into it: from
-    now on the parameters live in `flat`."""
+    now on the parameters live in `flat`. (Set through `.data`, each parameter keeps a version
+    counter of its own: a collective that writes into `flat` between forward and backward does not
+    count as an in-place change of the weights autograd saved, chapter 10.)"""
     offset = 0
     for p in params:
         flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))

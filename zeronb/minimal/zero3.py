@@ -32,7 +32,7 @@ class Unit:
     rank's shard of them, which stays."""
 
     def __init__(self, module: torch.nn.Module, rank: int, n: int):
-        self.module, self.params = module, list(module.parameters())
+        self.module, self.params = module, [p for p in module.parameters() if p.requires_grad]
         first = self.params[0]
         self.flat = torch.zeros(padded(sum(p.numel() for p in self.params), n), dtype=first.dtype,
                                 device=first.device)
@@ -72,6 +72,8 @@ class ZeRO3:
     def __init__(self, model: torch.nn.Module, optimizer):
         rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.units = [Unit(m, rank, self.world_size) for m in model.units()]
+        if sum(len(u.params) for u in self.units) != sum(p.requires_grad for p in model.parameters()):
+            raise ValueError("every trainable parameter must be in exactly one unit: one in none would never train")
         for u in self.units:
             u.module.register_forward_pre_hook(lambda m, args, u=u: u.unshard())
             u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))

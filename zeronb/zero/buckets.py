@@ -89,7 +89,10 @@ class Bucket:
         """Note that `p`'s gradient has landed; True when it was the bucket's last."""
         self.changed("gradient ready", p)
         self.ready.add(p)
-        return len(self.ready) == len(self.params)
+        if len(self.ready) < len(self.params):
+            return False
+        self.ready.clear()  # complete: the next backward starts counting again
+        return True
 
     def reset(self) -> None:
         """A new backward: no gradient has landed yet."""
@@ -136,10 +139,12 @@ class Bucket:
         """Drop `grad_shard` (ZeRO-1 holds none between steps)."""
         self.grad_shard = None
 
-    def reduce_scatter(self, *, dtype: torch.dtype | None = None, group=None, ring: bool = False) -> None:
-        """Add this rank's chunk of the sum over `group` of `comm` (the gradients, flat and padded,
-        that the stage put in flight) into `grad_shard` (`new_grad_shard`), then drop `comm`: only
-        the shard remains."""
+    def reduce_scatter(self, full: torch.Tensor, *, dtype: torch.dtype | None = None, group=None,
+                       ring: bool = False) -> None:
+        """Add this rank's chunk of the sum over `group` of `full` (the gradients, flat and padded)
+        into `grad_shard` (`new_grad_shard`), then let go of `full`: only the shard remains. While
+        it is in flight the bucket holds it as `comm` (what it holds is what observers weigh)."""
+        self.comm = full
         self.changed("reduce-scatter")
         reduce_scatter_into(self.grad_shard, self.comm, dtype=dtype, group=group, ring=ring)
         self.comm = None

@@ -69,8 +69,8 @@ class FlatStage(FlatSaving, Stage):
         """The bucket's gradients move into one flat tensor (or `grads`, a flat buffer of them), which
         is reduce-scattered into this rank's shard, `b.grad_shard` (added to what is there); then
         that tensor goes too. In reduce_dtype if one is set; through zeronb's ring if config says so."""
-        b.comm = self.divided_(b.take_grads() if grads is None else grads)
-        b.reduce_scatter(dtype=self.config.reduce_dtype, group=self.shard_group, ring=self.config.reduce_scatter == "ring")
+        full = self.divided_(b.take_grads() if grads is None else grads)
+        b.reduce_scatter(full, dtype=self.config.reduce_dtype, group=self.shard_group, ring=self.config.reduce_scatter == "ring")
 
     def gather_parameters(self) -> None:
         """Every bucket's full parameters again, from every rank's (updated or loaded) shard."""

@@ -29,6 +29,9 @@ class ShardOptimizer:
     def step(self, grads: list) -> None:
         """One step with these averaged gradients (one per shard); with clip_norm set, after scaling
         them so that the whole model's gradient has at most that 2-norm."""
+        if any(g is None for g in grads):
+            raise RuntimeError("the optimizer was handed no gradient for a shard: backward did not run, or ran "
+                               "outside the stage's train_step (which reduces the gradients: use it)")
         for master, grad in zip(self.master, grads):
             master.grad = grad.float() if self.mixed else grad
         if self.config.clip_norm is not None:

@@ -158,10 +158,10 @@ class ZeRO3(FlatStage):
     # -- the hooks, in the order they fire ------------------------------------------------------
 
     def pre_forward(self, u):
-        self.unshard(u)
+        self.issue_unshard(u)
         u.wait_for_unshard()
         if self.prefetch and u.index + 1 < len(self.units):
-            self.unshard(self.units[u.index + 1])  # overlap: the next unit's all-gather starts now
+            self.issue_unshard(self.units[u.index + 1])  # overlap: the next unit's all-gather starts now
 
     def post_forward(self, u):
         last = u.index == len(self.units) - 1  # its backward comes next: keep it
@@ -169,10 +169,10 @@ class ZeRO3(FlatStage):
             u.reshard()
 
     def pre_backward(self, u):
-        self.unshard(u)
+        self.issue_unshard(u)
         u.wait_for_unshard()
         if self.prefetch and u.index > 0:
-            self.unshard(self.units[u.index - 1])
+            self.issue_unshard(self.units[u.index - 1])
 
     def post_backward(self, u):
         """The unit's last gradient has landed: reduce-scatter its gradients into the shard (ZeRO-2's
@@ -181,8 +181,8 @@ class ZeRO3(FlatStage):
             self.reduce_scatter_bucket(u)
         u.reshard()
 
-    def unshard(self, u):
-        """Issue the all-gather of the unit's full parameters (ZeRO++ gathers in other ways)."""
+    def issue_unshard(self, u):
+        """Issue the all-gather of unit u's full parameters (ZeRO++ gathers in other ways)."""
         u.unshard(self.shard_group)
 
     # -- the step ---------------------------------------------------------------------------------

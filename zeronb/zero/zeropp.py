@@ -86,14 +86,14 @@ class ZeROPlusPlus(ZeRO3):
             self.secondary[u.index] = u.piece(dist.get_rank(node), dist.get_world_size(node)).clone()
         super().post_forward(u)
 
-    def unshard(self, u: Unit):
+    def issue_unshard(self, u: Unit):
         if self.in_backward and self.hpz and u.index in self.secondary:  # within the node: the secondary shards
             secondary = self.secondary[u.index]
             u.unshard_with(lambda: u.all_gather(secondary, self.node_group, async_op=True))
         elif not self.in_backward and self.quantize_weights:
             u.unshard_with(*self._quantized_gather(u))
         else:
-            super().unshard(u)
+            super().issue_unshard(u)
 
     def _quantized_gather(self, u: Unit):
         """qwZ's gather as (start, complete): every rank's shard in int8 with its scales, in one message;

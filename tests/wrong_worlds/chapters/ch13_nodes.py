@@ -223,13 +223,13 @@ world("13_nodes", "a qwZ that quantizes nothing", "qwZ sends int8 blocks and cos
 
 def _hpz_backward_over_every_rank():
     def patch(m):
-        unshard = m.ZeROPlusPlus.unshard
+        issue = m.ZeROPlusPlus.issue_unshard
 
         def unshard_over_every_rank_in_backward(self, u):
             if self.in_backward:
-                return m.ZeRO3.unshard(self, u)
-            return unshard(self, u)
-        m.ZeROPlusPlus.unshard = unshard_over_every_rank_in_backward
+                return m.ZeRO3.issue_unshard(self, u)
+            return issue(self, u)
+        m.ZeROPlusPlus.issue_unshard = unshard_over_every_rank_in_backward
     when_imported("zeronb.zero.zeropp", patch)
 
 
