@@ -102,14 +102,14 @@ def test_zero1_sends_what_ddp_sends(runs, n, model):
 def _summing_instead_of_averaging(configs):
     """Inside a rank: train with zeronb's ZeRO stages made to forget the division by N."""
     from zeronb.train.ranks import train_rank
-    from zeronb.zero.flat import FlatStage
+    from zeronb.zero import buckets
 
-    real = FlatStage.divided_
-    FlatStage.divided_ = lambda self, grads: grads  # the sum over the ranks, not the average
+    real = buckets.divided_
+    buckets.divided_ = lambda grads, ranks: grads  # the sum over the ranks, not the average
     try:
         return [train_rank(c) for c in configs]
     finally:
-        FlatStage.divided_ = real
+        buckets.divided_ = real
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

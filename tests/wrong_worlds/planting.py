@@ -55,3 +55,26 @@ def plant(name: str) -> None:
     if name not in WORLDS:
         raise SystemExit(f"no wrong world called {name!r}; there are: {', '.join(sorted(WORLDS))}")
     WORLDS[name].plant()
+
+
+def averaging_over(stage_class: str, ranks):
+    """Make the stages of `stage_class` (a class of zeronb.zero, "Stage" for all) average their
+    gradients over `ranks(stage)` ranks instead of all the ranks whose gradients are averaged."""
+    module = "zeronb.zero.stage" if stage_class == "Stage" else f"zeronb.zero.{stage_class.lower()}"
+
+    def patch(m):
+        cls = getattr(m, stage_class)
+        init = cls.__init__
+
+        def __init__(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            self.data_parallel = ranks(self)
+        cls.__init__ = __init__
+    when_imported(module, patch)
+
+
+def reduce_scatter(stage, bucket, grads=None) -> None:
+    """What a zeronb stage's post_backward does with a complete bucket: reduce-scatter its gradients
+    (or `grads`) into the bucket's gradient shard, as the stage's config says."""
+    bucket.reduce_scatter_grads(stage.data_parallel, grads, dtype=stage.config.reduce_dtype, group=stage.shard_group,
+                                ring=stage.config.reduce_scatter == "ring")

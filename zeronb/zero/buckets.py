@@ -9,8 +9,9 @@ During backward a bucket also keeps track of its gradients: which have landed (`
 collective in flight (`work`, carrying the flat tensor `comm`), and where the result goes (`grad`,
 a flat buffer of the full gradients, for DDP and ZeRO-1; `grad_shard`, this rank's chunk of the
 summed gradients, for ZeRO-1 during a step and for ZeRO-2 and ZeRO-3). It runs the collectives on
-them itself (`start_all_reduce` / `finish`, `reduce_scatter`); the stage decides when, and divides
-by N before they leave (zeronb.zero.flat.FlatStage.divided_).
+them itself (`start_all_reduce` / `finish`, `reduce_scatter_grads`, `gather_chunks`), dividing the
+gradients by N as they leave (`divided_`); the stage decides when (`hook_gradients` tells it when a
+bucket's last gradient has landed).
 
 Observers see a bucket from outside: every change of its state (a gradient landed, a collective
 started or done) is told to `watcher`, the stage's observers (zeronb.zero.observe), if it has any.
@@ -139,20 +140,25 @@ class Bucket:
         """Drop `grad_shard` (ZeRO-1 holds none between steps)."""
         self.grad_shard = None
 
-    def reduce_scatter(self, full: torch.Tensor, *, dtype: torch.dtype | None = None, group=None,
-                       ring: bool = False) -> None:
-        """Add this rank's chunk of the sum over `group` of `full` (the gradients, flat and padded)
-        into `grad_shard` (`new_grad_shard`), then let go of `full`: only the shard remains. While
-        it is in flight the bucket holds it as `comm` (what it holds is what observers weigh)."""
-        self.comm = full
+    def reduce_scatter_grads(self, ranks: int, grads: torch.Tensor | None = None, *, dtype: torch.dtype | None = None,
+                             group=None, ring: bool = False) -> None:
+        """The bucket's gradients, moved into one flat tensor (or `grads`, a flat buffer of them), divided
+        by the `ranks` whose gradients are averaged, and reduce-scattered over `group`: this rank's chunk
+        of the sum - the average - is added into `grad_shard` (`new_grad_shard`), and the flat tensor
+        goes. Only the shard remains. In `dtype` if given (None: the gradients' own); through zeronb's
+        ring with `ring`. While in flight the flat tensor is `comm` (what observers weigh)."""
+        self.comm = divided_(self.take_grads() if grads is None else grads, ranks)
         self.changed("reduce-scatter")
         reduce_scatter_into(self.grad_shard, self.comm, dtype=dtype, group=group, ring=ring)
         self.comm = None
         self.changed("reduce-scatter done")
 
-    def start_all_reduce(self, grads: torch.Tensor, *, dtype: torch.dtype | None = None, group=None) -> None:
-        """Start the all-reduce of `grads` (flat, summed in place) in `dtype` (None: their own) and
-        return at once: `finish` waits for it."""
+    def start_all_reduce(self, ranks: int, *, dtype: torch.dtype | None = None, group=None) -> None:
+        """Start the all-reduce of the flat gradients `grad`, divided by the `ranks` whose gradients
+        are averaged first, so that the sum that comes back is the average (with accumulation, the next
+        micro-batch's backward adds into that average, and dividing and summing again adds its own).
+        In `dtype` if given (None: their own); returns at once: `finish` waits for it."""
+        grads = divided_(self.grad, ranks)
         self.comm = grads if dtype in (None, grads.dtype) else grads.to(dtype)
         self.work, self._into = dist.all_reduce(self.comm, group=group, async_op=True), grads
         self.changed("all-reduce")
@@ -167,6 +173,11 @@ class Bucket:
         self.comm = self.work = self._into = None
         self.changed("all-reduce done")
 
+    def gather_chunks(self, rank: int, group=None) -> None:
+        """The full parameters again, from every rank's chunk of them over `group` (this rank's, `rank`,
+        updated by its optimizer or loaded from a checkpoint)."""
+        self.all_gather(self.chunk(rank).clone(), group=group)  # a copy: the collective writes what it views
+
     def pieces(self, flat: torch.Tensor, names: dict, rank: int | None = None) -> dict:
         """What `flat` - chunk `rank` of a tensor laid out like this bucket, or (rank None) all of
         it - holds, parameter by parameter: {name: (start, stop, values)}, start and stop counted
@@ -178,6 +189,25 @@ class Bucket:
             if a < b:
                 out[names[p]] = (a - o, b - o, flat[a - lo:b - lo])
         return out
+
+
+def divided_(grads: torch.Tensor, ranks: int) -> torch.Tensor:
+    """In place, just before gradients leave for their first collective: divided by the number of
+    ranks whose gradients are averaged (shards x replicas), before the sum, as PyTorch's DDP and FSDP
+    do. Every sum that comes back is then an average, and a sum of many low-precision gradients
+    cannot overflow. The one place zeronb's stages divide; by hand rather than with ReduceOp.AVG,
+    which not every torch version and backend the course supports has or honours (chapter 3)."""
+    return grads.div_(ranks)
+
+
+def hook_gradients(buckets: list, post_backward) -> list:
+    """Autograd's post-accumulate-grad hook on every parameter of `buckets`, so that
+    `post_backward(b)` runs as soon as backward has produced the last gradient of bucket b.
+    Returns the hooks' handles (`handle.remove()` takes one off)."""
+    def hook(p, b):
+        if b.mark_ready(p):
+            post_backward(b)
+    return [p.register_post_accumulate_grad_hook(lambda p, b=b: hook(p, b)) for b in buckets for p in b.params]
 
 
 def make_buckets(params: list, shards: int, bucket_bytes: int | None) -> list[Bucket]:

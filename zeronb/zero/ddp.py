@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .buckets import Bucket, make_buckets
+from .buckets import Bucket, divided_, make_buckets
 from .optim import ShardOptimizer
 from .flat import FlatStage
 
@@ -46,7 +46,7 @@ class NaiveDDP(FlatStage):
 
     def step(self):
         for p in self.params:
-            dist.all_reduce(self.divided_(p.grad), group=self.shard_group)  # the sum of g/N: the average
+            dist.all_reduce(divided_(p.grad, self.data_parallel), group=self.shard_group)  # the sum of g/N: the average
         self.update([p.grad for p in self.params])
         for p in self.params:
             p.grad = None
@@ -76,11 +76,9 @@ class DDP(FlatStage):
             self.all_reduce_bucket(b)
 
     def all_reduce_bucket(self, b):
-        """Start the bucket's all-reduce, of its gradients divided by N first (`divided_`): the sum
-        that comes back is the average. With accumulation, the next micro-batch's backward adds
-        into that average, and dividing and summing again adds its own average to it. In
-        reduce_dtype if one is set."""
-        b.start_all_reduce(self.divided_(b.grad), dtype=self.config.reduce_dtype, group=self.shard_group)
+        """Start the bucket's all-reduce, of its gradients divided by N first: the sum that comes back
+        is the average. In reduce_dtype if one is set."""
+        b.start_all_reduce(self.data_parallel, dtype=self.config.reduce_dtype, group=self.shard_group)
 
     def wait_for_all_reduces(self):
         """Wait for every bucket's all-reduce (and copy a reduce_dtype result back)."""

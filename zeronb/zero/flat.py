@@ -1,12 +1,12 @@
-"""What zeronb's own stages share (DDP, ZeRO-1, -2, -3): parameters in flat buckets, gradient
-hooks that fire when a bucket's last gradient has landed, the collectives on buckets, and the one
-place they divide by N. The step's outline is zeronb.zero.stage.Stage's; what a flat stage saves
-and loads is zeronb.zero.saving's."""
+"""What zeronb's own stages share (DDP, ZeRO-1, -2, -3): parameters in flat buckets
+(zeronb.zero.buckets, which also runs the collectives on them), the gradient hooks, what observers
+see, and the optimizer step. The step's outline is zeronb.zero.stage.Stage's; what a flat stage
+saves and loads is zeronb.zero.saving's."""
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
+from .buckets import hook_gradients
 from .saving import FlatSaving
 from .stage import Stage
 
@@ -36,15 +36,9 @@ class FlatStage(FlatSaving, Stage):
 
     def hook_gradients(self, buckets: list) -> None:
         """Call `post_backward(b)` as soon as backward has produced the last gradient of bucket b
-        (autograd's post-accumulate-grad hook on every parameter tells which has landed)."""
-        self.bucket_of = {p: b for b in buckets for p in b.params}
-        self.hooks += [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.bucket_of]
+        (zeronb.zero.buckets.hook_gradients)."""
+        self.hooks += hook_gradients(buckets, self.post_backward)
         self.claim_model()
-
-    def _grad_ready(self, p):
-        b = self.bucket_of[p]
-        if b.mark_ready(p):
-            self.post_backward(b)
 
     def post_backward(self, b) -> None:
         """Every gradient of bucket b has landed in this micro-batch's backward (what a stage does
@@ -65,26 +59,10 @@ class FlatStage(FlatSaving, Stage):
         for b in self.buckets:
             b.reset()  # no gradient has landed yet
 
-    def reduce_scatter_bucket(self, b, grads=None) -> None:
-        """The bucket's gradients move into one flat tensor (or `grads`, a flat buffer of them), which
-        is reduce-scattered into this rank's shard, `b.grad_shard` (added to what is there); then
-        that tensor goes too. In reduce_dtype if one is set; through zeronb's ring if config says so."""
-        full = self.divided_(b.take_grads() if grads is None else grads)
-        b.reduce_scatter(full, dtype=self.config.reduce_dtype, group=self.shard_group, ring=self.config.reduce_scatter == "ring")
-
     def gather_parameters(self) -> None:
-        """Every bucket's full parameters again, from every rank's (updated or loaded) shard."""
+        """Every bucket's full parameters again, from every rank's (updated or loaded) chunk."""
         for b in self.buckets:
-            # the input a copy: the collective writes the buffer this chunk is a view of
-            b.all_gather(b.chunk(self.shard_rank).clone(), group=self.shard_group)
-
-    def divided_(self, grads: torch.Tensor) -> torch.Tensor:
-        """In place, just before gradients leave for their first collective: divided by the number
-        of ranks whose gradients are averaged (shards x replicas), before the sum, as PyTorch's DDP
-        and FSDP do. Every sum that comes back is then an average, and a sum of many low-precision
-        gradients cannot overflow. By hand rather than with ReduceOp.AVG, which not every torch
-        version and backend the course supports has or honours (chapter 3 tells the story)."""
-        return grads.div_(self.data_parallel)
+            b.gather_chunks(self.shard_rank, group=self.shard_group)
 
     def update(self, grads: list) -> None:
         """The optimizer step on this rank's shards, with their averaged gradients (one per shard;

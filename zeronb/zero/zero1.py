@@ -43,7 +43,8 @@ class ZeRO1(FlatStage):
         micro-batches sent, in reduce_dtype if one is set: bf16 halves the bytes, and rounds the sums)."""
         if self.flat.grad_shard is None:  # the shard's summed gradient, held during a step only
             self.flat.new_grad_shard()
-        self.reduce_scatter_bucket(self.flat, self.flat.grad)
+        self.flat.reduce_scatter_grads(self.data_parallel, self.flat.grad, dtype=self.config.reduce_dtype,
+                                       group=self.shard_group, ring=self.config.reduce_scatter == "ring")
         self.flat.grad.zero_()  # sent: the next micro-batch's gradients start from zero
 
     def step(self):
@@ -51,7 +52,7 @@ class ZeRO1(FlatStage):
         self.update([self.flat.grad_shard])
         self.flat.free_grad_shard()
         # 4. all-gather the updated shards into the full parameters
-        self.gather_parameters()
+        self.flat.gather_chunks(self.shard_rank, group=self.shard_group)
 
     def after_load(self):
         self.gather_parameters()  # every rank's loaded shard

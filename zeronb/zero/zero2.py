@@ -43,13 +43,15 @@ class ZeRO2(FlatStage):
 
     def post_backward(self, b):
         if self.sync_now():  # (accumulating: the full gradients add up until the last micro-batch)
-            self.reduce_scatter_bucket(b)  # only this rank's shard of the sum stays
+            # only this rank's shard of the sum stays
+            b.reduce_scatter_grads(self.data_parallel, dtype=self.config.reduce_dtype, group=self.shard_group,
+                                   ring=self.config.reduce_scatter == "ring")
 
     def step(self):
         self.update([b.grad_shard for b in self.buckets])
         for b in self.buckets:
             b.grad_shard.zero_()
-        self.gather_parameters()
+            b.gather_chunks(self.shard_rank, group=self.shard_group)
 
     def after_load(self):
         self.gather_parameters()  # every rank's loaded shard

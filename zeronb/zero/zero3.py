@@ -178,7 +178,8 @@ class ZeRO3(FlatStage):
         """The unit's last gradient has landed: reduce-scatter its gradients into the shard (ZeRO-2's
         way), and free its full parameters."""
         if self.sync_now():  # (else, accumulating: the full gradients stay until the last micro-batch)
-            self.reduce_scatter_bucket(u)
+            u.reduce_scatter_grads(self.data_parallel, dtype=self.config.reduce_dtype, group=self.shard_group,
+                                   ring=self.config.reduce_scatter == "ring")
         u.reshard()
 
     def issue_unshard(self, u):

@@ -2,7 +2,7 @@
 plants too: bf16 reduced in fp32, bf16 sent as fp32 below the ledger)."""
 from __future__ import annotations
 
-from ..planting import replace, when_imported
+from ..planting import reduce_scatter, replace, when_imported
 from . import chapter, world
 
 
@@ -113,7 +113,7 @@ def _zero3_keeps_last_unit_gathered():
         def post_backward_keeping_the_last(self, u):
             if u.index == len(self.units) - 1 and self.model.training:
                 if self.sync_now():
-                    self.reduce_scatter_bucket(u)
+                    reduce_scatter(self, u)
                 return  # (not resharded: it stays gathered into the next step)
             post_backward(self, u)
         m.ZeRO3.post_backward = post_backward_keeping_the_last

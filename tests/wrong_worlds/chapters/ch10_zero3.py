@@ -1,7 +1,7 @@
 """Chapter 10, ZeRO-3: its check cells and their wrong worlds."""
 from __future__ import annotations
 
-from ..planting import replace, when_imported
+from ..planting import averaging_over, reduce_scatter, replace, when_imported
 from . import chapter, world
 
 
@@ -152,7 +152,7 @@ def _kept_units_go_stale():
     def patch(m):
         def post_backward(self, u):
             if self.sync_now():
-                self.reduce_scatter_bucket(u)
+                reduce_scatter(self, u)
             if self.reshard_after_forward:
                 u.reshard()
         m.ZeRO3.post_backward = post_backward
@@ -165,9 +165,7 @@ world("10_zero3", "ZeRO-3 keeps units gathered into the next step", "every varia
 
 
 def _sums_gradients():
-    def patch(m):
-        m.ZeRO3.divided_ = lambda self, grads: grads
-    when_imported("zeronb.zero.zero3", patch)
+    averaging_over("ZeRO3", lambda stage: 1)
 
 
 world("10_zero3", "ZeRO-3 sums its gradients", "ZeRO-3 trains as one process does: here it sums the ranks' "

@@ -1,7 +1,7 @@
 """Chapter 12, training in practice: its check cells and their wrong worlds."""
 from __future__ import annotations
 
-from ..planting import replace, when_imported
+from ..planting import reduce_scatter, replace, when_imported
 from . import chapter, world
 from .ch06_memory import _below_every_ledger, _bf16_as_fp32_mode, _zero3_checkpoints_its_units
 
@@ -60,7 +60,7 @@ def _zero3_keeps_units_between_micro_batches():
     def patch(m):
         def post_backward(self, u):
             if self.sync_now():
-                self.reduce_scatter_bucket(u)
+                reduce_scatter(self, u)
             if self.last_micro_batch:
                 u.reshard()
         m.ZeRO3.post_backward = post_backward
@@ -111,7 +111,7 @@ def _zero2_keeps_full_gradients():
     def patch(m):
         def post_backward(self, b):
             if self.sync_now():
-                self.reduce_scatter_bucket(b, b.flatten_grads())  # a copy: each .grad stays
+                reduce_scatter(self, b, b.flatten_grads())  # a copy: each .grad stays
         m.ZeRO2.post_backward = post_backward
     when_imported("zeronb.zero.zero2", patch)
 

@@ -1,7 +1,7 @@
 """Chapter 13, nodes: its check cells and their wrong worlds."""
 from __future__ import annotations
 
-from ..planting import replace, when_imported
+from ..planting import averaging_over, replace, when_imported
 from . import chapter, world
 from .ch12_practice import _buckets_keep_what_they_sent
 
@@ -197,9 +197,7 @@ world("13_nodes", "a model that prices the hops within a node at the slow link",
 # --- the stages -------------------------------------------------------------------------------------------------------------
 
 def _hsdp_divides_by_its_node():
-    def patch(m):
-        m.FlatStage.divided_ = lambda self, grads: grads.div_(self.num_shards)
-    when_imported("zeronb.zero.flat", patch)
+    averaging_over("Stage", lambda stage: stage.num_shards)
 
 
 world("13_nodes", "an HSDP that divides by its node's ranks only", "HSDP averages over every rank of every node: here "

@@ -1,7 +1,7 @@
 """Chapter 14, the summary: its check cells and their wrong worlds."""
 from __future__ import annotations
 
-from ..planting import replace, when_imported
+from ..planting import reduce_scatter, replace, when_imported
 from . import chapter, world
 from .ch04_ring import _ring_sends_twice
 from .ch10_zero3 import (_all_reduce_gradients, _gathers_move_nothing_until_waited, _keeps_fp32_gradients,
@@ -26,7 +26,7 @@ chapter("14_summary", {
 
 
 def _stages_sum_gradients():
-    when_imported("zeronb.zero.flat", lambda m: setattr(m.FlatStage, "divided_", lambda self, grads: grads))
+    replace("zeronb.zero.buckets", "divided_", lambda original: lambda grads, ranks: grads)
 
 
 world("14_summary", "zeronb's stages sum their gradients", "every stage trains as one process does: here zeronb's "
@@ -55,7 +55,7 @@ def _zero2_keeps_full_gradients():
     def patch(m):
         def post_backward(self, b):
             if self.sync_now():
-                self.reduce_scatter_bucket(b, grads=b.flatten_grads())  # (take_grads would drop them)
+                reduce_scatter(self, b, grads=b.flatten_grads())  # (take_grads would drop them)
         m.ZeRO2.post_backward = post_backward
     when_imported("zeronb.zero.zero2", patch)
 
