@@ -210,6 +210,14 @@ def hook_gradients(buckets: list, post_backward) -> list:
     return [p.register_post_accumulate_grad_hook(lambda p, b=b: hook(p, b)) for b in buckets for p in b.params]
 
 
+def outputs_needing_grad(out) -> list:
+    """The tensors among a module's outputs (a tensor, or a tuple or list of them) that backward
+    will reach: a hook on their gradients fires just before the module's backward, as FSDP2 hooks
+    it."""
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return [t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
 def make_buckets(params: list, shards: int, bucket_bytes: int | None) -> list[Bucket]:
     """Group parameters into buckets of about `bucket_bytes`, in *backward* order (the last layer's
     parameters get their gradients first, so their bucket is ready first). None: one bucket."""

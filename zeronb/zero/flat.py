@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .buckets import hook_gradients
+from .buckets import hook_gradients, outputs_needing_grad
 from .saving import FlatSaving
 from .stage import Stage
 
@@ -46,14 +46,19 @@ class FlatStage(FlatSaving, Stage):
 
     def watch_units(self, units: list) -> None:
         """Hooks for the observers on each unit's module, after the stage's own (so that they fire
-        after them): "forward" once the unit's parameters are here, "backward" likewise; "forward
-        done" goes first (prepend), before the stage frees them. (The rest of what observers see
-        comes from the units themselves.)"""
+        after them): "forward" once the unit's parameters are here, and "backward" likewise (a hook
+        on the gradient of the unit's output, as the stage's own); "forward done" goes first
+        (prepend), before the stage frees them. (The rest of what observers see comes from the
+        units themselves.)"""
+        def backward_begins(u, out):
+            for t in outputs_needing_grad(out):
+                t.register_hook(lambda grad: self.tell("backward", u))
+
         for u in units:
             self.hooks += [
                 u.module.register_forward_pre_hook(lambda m, args, u=u: self.tell("forward", u)),
                 u.module.register_forward_hook(lambda m, args, out, u=u: self.tell("forward done", u), prepend=True),
-                u.module.register_full_backward_pre_hook(lambda m, grad_out, u=u: self.tell("backward", u))]
+                u.module.register_forward_hook(lambda m, args, out, u=u: backward_begins(u, out))]
 
     def begin_micro_batch(self):
         for b in self.buckets:

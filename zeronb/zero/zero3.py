@@ -30,28 +30,11 @@ references to the same storage, so the tensors it saved for backward see the re-
 """
 from __future__ import annotations
 
-import contextlib
-import warnings
-
 import torch
 
-from .buckets import Bucket
+from .buckets import Bucket, outputs_needing_grad
 from .optim import ShardOptimizer
 from .flat import FlatStage
-
-# The first unit's inputs (token ids, or a batch that needs no gradient) have no gradient, and
-# PyTorch warns that the unit's full backward hook then fires on its outputs' gradients: which is
-# exactly when ZeRO-3 wants it (before the unit's backward), so the warning is noise here - during
-# ZeRO-3's own steps, and nowhere else.
-HOOK_WARNING = "Full backward hook is firing when gradients are computed with respect to module outputs"
-
-
-@contextlib.contextmanager
-def _quiet_backward_hooks():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=HOOK_WARNING)
-        yield
-
 
 class Unit(Bucket):
     """One unit's parameters: a flat buffer of the full parameters that comes and goes, and this
@@ -141,8 +124,7 @@ class ZeRO3(FlatStage):
         self.buckets = [Unit(i, m, self.shard_rank, self.num_shards) for i, m in enumerate(modules)]
         for u in self.units:
             self.hooks += [u.module.register_forward_pre_hook(lambda m, args, u=u: self.pre_forward(u)),
-                           u.module.register_forward_hook(lambda m, args, out, u=u: self.post_forward(u)),
-                           u.module.register_full_backward_pre_hook(lambda m, grad_out, u=u: self.pre_backward(u))]
+                           u.module.register_forward_hook(lambda m, args, out, u=u: self.post_forward(u, out))]
         self.hook_gradients(self.units)  # -> post_backward(u) when the unit's last gradient lands
         self.watch_units(self.units)
         self.optimizer = ShardOptimizer([u.own_chunk for u in self.units], self.config, group=self.shard_group)
@@ -152,9 +134,6 @@ class ZeRO3(FlatStage):
         """The stage's buckets, one per unit (ZeRO-3's word for them)."""
         return self.buckets
 
-    def gradient_sync(self, sync):
-        return _quiet_backward_hooks()  # (the micro-batch's forward and backward run inside)
-
     # -- the hooks, in the order they fire ------------------------------------------------------
 
     def pre_forward(self, u):
@@ -163,7 +142,9 @@ class ZeRO3(FlatStage):
         if self.prefetch and u.index + 1 < len(self.units):
             self.issue_unshard(self.units[u.index + 1])  # overlap: the next unit's all-gather starts now
 
-    def post_forward(self, u):
+    def post_forward(self, u, out):
+        for t in outputs_needing_grad(out):  # just before the unit's backward, its output's gradient arrives
+            t.register_hook(lambda grad, u=u: self.pre_backward(u))
         last = u.index == len(self.units) - 1  # its backward comes next: keep it
         if self.reshard_after_forward and not last:
             u.reshard()

@@ -80,11 +80,11 @@ class ZeROPlusPlus(ZeRO3):
         self.in_backward = True
         super().pre_backward(u)
 
-    def post_forward(self, u):
+    def post_forward(self, u, out):
         if self.hpz:  # this rank's 1/g of the unit, while it is here: what the node gathers in backward
             node = self.node_group
             self.secondary[u.index] = u.piece(dist.get_rank(node), dist.get_world_size(node)).clone()
-        super().post_forward(u)
+        super().post_forward(u, out)
 
     def issue_unshard(self, u: Unit):
         if self.in_backward and self.hpz and u.index in self.secondary:  # within the node: the secondary shards

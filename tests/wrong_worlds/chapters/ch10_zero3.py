@@ -16,8 +16,7 @@ chapter("10_zero3", {
     "parity": "ZeRO-3 = one process (float64, float32, prefetch), its gradients and SGD",
     "bf16-memory": "(2+2+12)Ψ/N per part, swept = listed; N times less than DDP; activations the same at every stage",
     "wire": "on gloo's wire each reduce-scatter costs an all-reduce: the bytes gloo's algorithms need plus framing",
-    "freed-parameters": "a freed parameter raises in F.linear/F.embedding and crashes elsewhere; version counters; "
-                        "the hook warning zeronb silences is PyTorch's",
+    "freed-parameters": "a freed parameter raises in F.linear/F.embedding and crashes elsewhere; version counters",
     "accumulation": "with K micro-batches and one sync: K times the gathers, one reduce-scatter; DDP one all-reduce",
     "deepspeed": "DeepSpeed's stage 3: parity, two gathers of every module, what it holds; FSDP2's extra gather on the wire",
     "persistence": "threshold 0 partitions everything; DeepSpeed's default keeps every tensor of this model whole",
@@ -28,10 +27,13 @@ def _gathers_last_unit_twice():
     """The last unit freed after its forward like the others, and gathered again for its backward (what FSDP2
     does by default)."""
     def patch(m):
-        def post_forward(self, u):
+        post_forward = m.ZeRO3.post_forward
+
+        def free_every_unit(self, u, out):
+            post_forward(self, u, out)
             if self.reshard_after_forward:
-                u.reshard()
-        m.ZeRO3.post_forward = post_forward
+                u.reshard()  # the last one too
+        m.ZeRO3.post_forward = free_every_unit
     when_imported("zeronb.zero.zero3", patch)
 
 
@@ -237,16 +239,6 @@ def _torch_resize_keeps_bytes():
 
 world("10_zero3", "a torch whose resize_(0) keeps the bytes", "a freed parameter has no bytes behind it, and reading "
       "it raises or crashes: here resize_(0) keeps them", ("freed-parameters", "memory"), _torch_resize_keeps_bytes)
-
-
-def _silences_another_warning():
-    when_imported("zeronb.zero.zero3", lambda m: setattr(
-        m, "HOOK_WARNING", "Full backward hook is firing when gradients are computed with respect to module inputs"))
-
-
-world("10_zero3", "ZeRO-3 silences a warning PyTorch does not give", "the warning ZeRO-3 silences is the one "
-      "PyTorch gives a module whose inputs need no gradient: here its text is another", "freed-parameters",
-      _silences_another_warning)
 
 
 def _reduce_scatters_every_micro_batch():

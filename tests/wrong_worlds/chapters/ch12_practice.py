@@ -326,10 +326,10 @@ def _zero3_keeps_units_in_backward():
 
         after = m.ZeRO3.post_forward
 
-        def post_forward(self, u):
+        def post_forward(self, u, out):
             if torch._C._current_graph_task_id() != -1:
                 return
-            after(self, u)
+            after(self, u, out)
         m.ZeRO3.post_forward = post_forward
     when_imported("zeronb.zero.zero3", patch)
 

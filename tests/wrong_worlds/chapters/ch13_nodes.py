@@ -270,10 +270,10 @@ def _hpz_also_keeps_whole_units():
     def patch(m):
         after, step = m.ZeROPlusPlus.post_forward, m.ZeROPlusPlus.step
 
-        def post_forward(self, u):
+        def post_forward(self, u, out):
             if self.hpz:
                 self.__dict__.setdefault("whole_units", {})[u.index] = u.data.detach().clone()
-            after(self, u)
+            after(self, u, out)
 
         def step_(self):
             step(self)
