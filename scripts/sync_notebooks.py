@@ -15,14 +15,15 @@ import yaml
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 TEMPLATE = '''\
-# Opened on its own (Colab, JupyterLab on a GPU box)? This installs zeronb first; where zeronb is
-# installed already, it does nothing. Set ZERONB_SOURCE to install from elsewhere (a checkout, a wheel).
+# Opened on its own (Colab, JupyterLab on a GPU box)? This installs zeronb first, and DeepSpeed, whose
+# ZeRO several chapters run beside zeronb's; where zeronb is installed already, it does nothing. Set
+# ZERONB_SOURCE to install zeronb from elsewhere (a checkout, a wheel).
 import importlib.util
 import os
 
 if importlib.util.find_spec("zeronb") is None:
     source = os.environ.get("ZERONB_SOURCE", "zeronb @ git+{url}@{branch}")
-    %pip install --quiet "{{source}}"
+    %pip install --quiet "{{source}}" "deepspeed>=0.16"
 
 import zeronb  # now: it starts the helper process the ranks are forked from while the rest imports'''
 
