@@ -2,9 +2,9 @@
 # Set up .venv for zeronb: idempotent, and quiet when there is nothing to do.
 #  - A torch that the system Python already has (a GPU box) is reused through
 #    --system-site-packages and never replaced.
-#  - Otherwise torch==2.13.0 is installed first: on the machines this course is
-#    tested on that is a CPU wheel on disk; an unpinned torch would pull a
-#    multi-GB CUDA build.
+#  - Otherwise torch==2.13.0 is installed first, the CPU build: from PyTorch's
+#    CPU index where it can be reached, else from pip's own index (on the
+#    machines this course is tested on, a CPU wheel on disk).
 #  - Everything else at the versions in constraints.txt (scripts/refresh_constraints.sh
 #    makes it), so that every machine builds the same book; on a Python those pins
 #    do not install on, the newest versions that do, saying so.
@@ -38,7 +38,10 @@ pinned() {
 }
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "setup: installing torch==2.13.0 (CPU build)"
-  pinned "torch==2.13.0"
+  # from PyTorch's CPU index (on Linux the public index's wheel is the multi-GB CUDA build); where that
+  # index cannot be reached (offline, behind a mirror), from the index pip is configured with
+  pip install --retries 0 --timeout 10 --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" 2>/dev/null \
+    || pinned "torch==2.13.0"
 fi
 echo "setup: installing requirements (pinned by constraints.txt) and zeronb into $VENV"
 pinned -r requirements.txt
