@@ -103,3 +103,53 @@ def test_minimal_engine_is_the_full_engine(gloo_pool, engine, model_kind, optimi
             assert mini_el["all_reduce"] <= full_el["all_reduce"] < mini_el["all_reduce"] + n * full_calls["all_reduce"]
         else:
             assert full_el == mini_el, f"{engine}: elements {full_el} vs {mini_el}"
+
+
+def _full_engines_driven_by_hand(engine_name):
+    """The full engine driven as the minimal ones are (forward, backward, step) and through train_step:
+    the same parameters; then a parameter that gets no gradient, and detach."""
+    from zeronb import device
+    from zeronb.models import Config, local_batch, make_model
+    from zeronb.zero import DDP, ZeRO1, ZeRO2, ZeRO3, StageConfig
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    cfg, dtype = Config(kind="gpt"), torch.float64
+    cls = {"ddp": DDP, "zero1": ZeRO1, "zero2": ZeRO2, "zero3": ZeRO3}[engine_name]
+    out = {}
+    for how in ("train_step", "by hand"):
+        stage = cls(make_model(cfg, dtype, device()), StageConfig(precision="float64", optimizer="sgd", lr=0.05))
+        for step in range(STEPS):
+            x, y = local_batch(cfg, step, rank, n, dtype, device())
+            if how == "train_step":
+                stage.train_step(x, y)
+            else:
+                stage.loss(x, y).backward()
+                stage.step()
+        out[how] = stage.full_parameters()
+        stage.detach()
+        model = stage.model  # detached: a whole model again, that runs on its own
+        out[f"{how}, after detach"] = {k: v.detach().clone() for k, v in model.named_parameters()}
+        model(local_batch(cfg, 0, rank, n, dtype, device())[0])
+    model = make_model(cfg, dtype, device())
+    model.unused = torch.nn.Linear(3, 3, dtype=dtype, device=device())  # in a bucket, never in forward
+    stage = cls(model, StageConfig(precision="float64"), **({"units": model.units() + [model.unused]}
+                                                             if engine_name == "zero3" else {}))
+    try:
+        stage.train_step(*local_batch(cfg, 0, rank, n, dtype, device()))
+        out["unused"] = None
+    except RuntimeError as e:
+        out["unused"] = str(e)
+    stage.detach()
+    return out
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_full_engine_driven_by_hand_trains_as_through_train_step(gloo_pool, engine):
+    for got in gloo_pool(4).run(_full_engines_driven_by_hand, engine, echo=False, timeout=180):
+        for k in got["train_step"]:
+            assert torch.equal(got["train_step"][k], got["by hand"][k]), k
+            assert torch.equal(got["train_step"][k], got["train_step, after detach"][k]), k
+        if engine == "zero1":  # no gradient hooks: the unused parameter's gradient is zeros, harmlessly
+            assert got["unused"] is None, got["unused"]
+        else:
+            assert got["unused"] and "unused.weight" in got["unused"] and "got no gradient" in got["unused"], got["unused"]

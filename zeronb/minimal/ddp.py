@@ -63,8 +63,10 @@ class DDP:
     def _gradient_landed(self, b: Bucket) -> None:
         b.landed += 1
         if b.landed == len(b.params):  # the bucket's last gradient: send it while backward goes on
+            if b.work is not None:
+                raise RuntimeError("a second backward before step(): this DDP does not accumulate gradients")
             b.grad.div_(self.world_size)  # the sum of every rank's g/N is the average
-            b.work = dist.all_reduce(b.grad, async_op=True)
+            b.work, b.landed = dist.all_reduce(b.grad, async_op=True), 0
 
     def step(self) -> None:
         """After backward: wait for every bucket's all-reduce, then the optimizer step."""
@@ -72,7 +74,7 @@ class DDP:
             if b.work is None:  # (a parameter that forward did not use never gets a gradient)
                 raise RuntimeError("a bucket was never sent: every parameter needs a gradient in every backward")
             b.work.wait()
-            b.work, b.landed = None, 0
+            b.work = None
         self.optimizer.step()
         for b in self.buckets:
             b.grad.zero_()  # (not optimizer.zero_grad(), which would cut the .grad views loose)

@@ -14,7 +14,10 @@ The last unit's backward comes right after its forward, so it is kept, saving on
 
 How the parameters "disappear": each parameter is a view into its unit's flat buffer, and freeing
 resizes the buffer's storage to 0 bytes; gathering resizes it back and fills it. The tensors that
-autograd saved for backward are views of the same storage, so they see the gathered values again.
+autograd saved for backward are views of the same storage, so they see the gathered values again;
+and since each parameter was made a view through `.data` (flatten_into), it keeps a version
+counter of its own, so a gather between forward and backward is not an in-place change of a
+weight autograd saved (chapter 10).
 
 The full version (zeronb.zero.zero3.ZeRO3) adds prefetching the next unit's gather, keeping the
 parameters from forward to backward, accumulation, replicas, ZeRO++'s gathers and observers

@@ -49,6 +49,7 @@ class Bucket:
             offset += p.numel()
         # the gradients, during a step
         self.ready = set()       # parameters whose gradient has landed in this backward
+        self.complete = False    # whether all of them have, in this backward
         self.grad = None         # the full gradients, flat (DDP, ZeRO-1): `keep_grads_flat`
         self.grad_shard = None   # this rank's chunk of the summed gradients (ZeRO-1, -2, -3)
         self.comm = None         # the flat tensor a collective is carrying
@@ -93,11 +94,13 @@ class Bucket:
         if len(self.ready) < len(self.params):
             return False
         self.ready.clear()  # complete: the next backward starts counting again
+        self.complete = True
         return True
 
     def reset(self) -> None:
         """A new backward: no gradient has landed yet."""
         self.ready.clear()
+        self.complete = False
 
     def flatten_grads(self) -> torch.Tensor:
         """The parameters' gradients copied into one padded flat tensor (a missing gradient is zeros)."""
@@ -121,7 +124,7 @@ class Bucket:
         version counter of its own (`p.data = ...`), so backward reads the gathered values without
         calling them an in-place change (ZeRO-3 gathers between forward and backward). With
         `async_op`, its work (and whoever waits for it says when the parameters are here)."""
-        work = all_gather_single(self.data.data, shard, group=group, async_op=async_op)
+        work = all_gather_single(self.data, shard, group=group, async_op=async_op)
         if not async_op:
             self.changed("gathered")
         return work
@@ -129,7 +132,7 @@ class Bucket:
     def fill_chunk(self, rank: int, values: torch.Tensor) -> None:
         """Write rank `rank`'s chunk of the parameters (through .data, as `all_gather`)."""
         with torch.no_grad():
-            self.chunk(rank, self.data.data).copy_(values)
+            self.chunk(rank).copy_(values)
 
     def new_grad_shard(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A zero `grad_shard` (in `dtype`, default the parameters'): where reduce-scatters add."""

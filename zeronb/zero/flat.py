@@ -38,6 +38,7 @@ class FlatStage(FlatSaving, Stage):
         """Call `post_backward(b)` as soon as backward has produced the last gradient of bucket b
         (zeronb.zero.buckets.hook_gradients)."""
         self.hooks += hook_gradients(buckets, self.post_backward)
+        self.gradients_hooked = True
         self.claim_model()
 
     def post_backward(self, b) -> None:
@@ -59,6 +60,17 @@ class FlatStage(FlatSaving, Stage):
                 u.module.register_forward_pre_hook(lambda m, args, u=u: self.tell("forward", u)),
                 u.module.register_forward_hook(lambda m, args, out, u=u: self.tell("forward done", u), prepend=True),
                 u.module.register_forward_hook(lambda m, args, out, u=u: backward_begins(u, out))]
+
+    def check_backward(self):
+        """A bucket whose parameters did not all get a gradient would never be sent, and the ranks
+        would step apart (or the bucket never train): name them. (ZeRO-1 hooks no gradient: a parameter
+        without one adds zeros to its flat gradient.)"""
+        for b in self.buckets if getattr(self, "gradients_hooked", False) else ():
+            if not b.complete:
+                missing = [self.names[p] for p in b.params if p not in b.ready]
+                raise RuntimeError(f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} got no gradient in this "
+                                   "backward, so its bucket was never sent: use every parameter in forward, or freeze "
+                                   "it (requires_grad=False) before building the stage")
 
     def begin_micro_batch(self):
         for b in self.buckets:

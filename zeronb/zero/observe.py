@@ -2,10 +2,11 @@
 
 Each observer is called as `observer(stage, event, where)` at the points below, and nothing else
 is done for them: without observers nothing is timed, walked or recorded, and with them the
-algorithm runs exactly as it would without. The stages' hooks and steps tell nobody: the step's
-outline does (Stage.train_step), the buckets and units tell what changes in their state
-(Bucket.changed), and the observers' own module hooks tell a unit's forward and backward
-(FlatStage.watch_units). An observer is any callable; the classes
+algorithm runs exactly as it would without. The stages' own hooks tell nobody: the step's outline
+does (Stage.train_step, and FlatStage.update for the optimizer step), the buckets and units tell
+what changes in their state (Bucket.changed), and the observers' own module hooks tell a unit's
+forward and backward (FlatStage.watch_units, registered whether or not there are observers yet,
+since they can be given to a stage at any time; without them a hook does nothing). An observer is any callable; the classes
 here are the ones the chapters and the train CLI use.
 
 Every stage (zeronb.zero.stage.Stage.train_step):

@@ -91,6 +91,7 @@ class Stage:
                     loss = self.loss(xi, yi) / micro_batches
                     self.tell("backward pass", i)
                     loss.backward()
+                self.check_backward()
                 self.end_micro_batch()
                 self.tell("backward pass done", i)
                 losses.append(loss.detach())
@@ -110,6 +111,9 @@ class Stage:
 
     def begin_micro_batch(self) -> None:
         """Before a micro-batch's forward: the stage's bookkeeping."""
+
+    def check_backward(self) -> None:
+        """After a micro-batch's backward: raise if it left the stage unable to go on."""
 
     def end_micro_batch(self) -> None:
         """After a micro-batch's backward: the stage's bookkeeping."""

@@ -48,6 +48,8 @@ class ZeRO1(FlatStage):
         self.flat.grad.zero_()  # sent: the next micro-batch's gradients start from zero
 
     def step(self):
+        if self.flat.grad_shard is None:  # (driven by backward and step, not train_step: step 2 is still to do)
+            self._reduce_scatter()
         # 3. the optimizer on the owned shard, with its average gradient
         self.update([self.flat.grad_shard])
         self.flat.free_grad_shard()

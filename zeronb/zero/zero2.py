@@ -30,8 +30,8 @@ class ZeRO2(FlatStage):
     def __init__(self, model, config=None, observers=(), bucket_bytes: int = 64 << 10,
                  grad_shard_dtype: torch.dtype | None = None):
         """`grad_shard_dtype`: keep the reduced gradient shard in another dtype than the
-        parameters' (torch.float32 in bf16-mixed: the recipe behind a note's "2N + 16N/M", with N parameters and M
-        ranks, 2psi + 16psi/N here; chapter 6)."""
+        parameters' (torch.float32 in bf16-mixed: the recipe behind a note's "2N + 16N/M" for N parameters on M
+        ranks, written 2psi + 16psi/N in this course; chapter 6)."""
         super().__init__(model, config, observers)
         self.buckets = make_buckets(list(model.parameters()), self.num_shards, bucket_bytes)
         for b in self.buckets:

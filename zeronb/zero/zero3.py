@@ -167,6 +167,13 @@ class ZeRO3(FlatStage):
         """Issue the all-gather of unit u's full parameters (ZeRO++ gathers in other ways)."""
         u.unshard(self.shard_group)
 
+    def detach(self):
+        """Gather every unit's full parameters (they stay, the model whole again), then take the hooks off."""
+        for u in self.units:
+            self.issue_unshard(u)
+            u.wait_for_unshard()
+        super().detach()
+
     # -- the step ---------------------------------------------------------------------------------
 
     def step(self):
