@@ -27,12 +27,12 @@ class ZeRO1(FlatStage):
     def __init__(self, model, config=None, observers=()):
         super().__init__(model, config, observers)
         self.buckets = make_buckets(list(model.parameters()), self.num_shards, None)  # one flat buffer, N chunks
-        (self.flat,) = self.buckets
-        self.flat.keep_grads_flat()                # 1. the full gradients, accumulated in place by autograd
+        (self.bucket,) = self.buckets
+        self.bucket.keep_grads_flat()                # 1. the full gradients, accumulated in place by autograd
         # the parameters this rank updates: its chunk, its shard and (on the last ranks) padding (zeronb.shards)
-        self.own_chunk = self.flat.chunk(self.shard_rank)
+        self.own_chunk = self.bucket.chunk(self.shard_rank)
         self.optimizer = ShardOptimizer([self.own_chunk], self.config, group=self.shard_group)  # state for the shard only
-        # self.flat.grad_shard: the summed gradient of the shard, during a step only
+        # self.bucket.grad_shard: the summed gradient of the shard, during a step only
 
     def end_micro_batch(self):
         if self.sync_now():
@@ -41,24 +41,24 @@ class ZeRO1(FlatStage):
     def _reduce_scatter(self):
         """2. Rank r gets the sum of everyone's chunk r of the gradient buffer (added to what earlier
         micro-batches sent, in reduce_dtype if one is set: bf16 halves the bytes, and rounds the sums)."""
-        if self.flat.grad_shard is None:  # the shard's summed gradient, held during a step only
-            self.flat.new_grad_shard()
-        self.flat.reduce_scatter_grads(self.data_parallel, self.flat.grad, dtype=self.config.reduce_dtype,
+        if self.bucket.grad_shard is None:  # the shard's summed gradient, held during a step only
+            self.bucket.new_grad_shard()
+        self.bucket.reduce_scatter_grads(self.data_parallel, self.bucket.grad, dtype=self.config.reduce_dtype,
                                        group=self.shard_group, ring=self.config.reduce_scatter == "ring")
-        self.flat.grad.zero_()  # sent: the next micro-batch's gradients start from zero
+        self.bucket.grad.zero_()  # sent: the next micro-batch's gradients start from zero
 
     def step(self):
-        if self.flat.grad_shard is None:  # (driven by backward and step, not train_step: step 2 is still to do)
+        if self.bucket.grad_shard is None:  # (driven by backward and step, not train_step: step 2 is still to do)
             self._reduce_scatter()
         # 3. the optimizer on the owned shard, with its average gradient
-        self.update([self.flat.grad_shard])
-        self.flat.free_grad_shard()
+        self.update([self.bucket.grad_shard])
+        self.bucket.free_grad_shard()
         # 4. all-gather the updated shards into the full parameters
-        self.flat.gather_chunks(self.shard_rank, group=self.shard_group)
+        self.bucket.gather_chunks(self.shard_rank, group=self.shard_group)
 
     def after_load(self):
         self.gather_parameters()  # every rank's loaded shard
 
     def state_tensors(self):
-        return {"params": [self.flat.data], "grads": [self.flat.grad, self.flat.grad_shard],
+        return {"params": [self.bucket.data], "grads": [self.bucket.grad, self.bucket.grad_shard],
                 "optimizer": self.optimizer.state_tensors()}

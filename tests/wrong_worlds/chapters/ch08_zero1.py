@@ -95,15 +95,15 @@ def _zero1_unsharded_optimizer():
 
         def __init__(self, model, config=None, observers=()):
             init(self, model, config, observers)
-            self.optimizer = m.ShardOptimizer([self.flat.data], self.config, sharded=False)
+            self.optimizer = m.ShardOptimizer([self.bucket.data], self.config, sharded=False)
 
         def all_reduce(self):
-            self.flat.start_all_reduce(self.data_parallel, group=self.shard_group)
-            self.flat.finish()
+            self.bucket.start_all_reduce(self.data_parallel, group=self.shard_group)
+            self.bucket.finish()
 
         def step(self):
-            self.update([self.flat.grad])
-            self.flat.grad.zero_()
+            self.update([self.bucket.grad])
+            self.bucket.grad.zero_()
 
         m.ZeRO1.__init__, m.ZeRO1._reduce_scatter, m.ZeRO1.step = __init__, all_reduce, step
     when_imported("zeronb.zero.zero1", patch)
