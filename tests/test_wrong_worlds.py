@@ -57,3 +57,26 @@ def test_a_planted_world_is_rejected(name):
     world = WORLDS[name]
     ok, by, message = harness.judge(world, harness.run_chapter(world.chapter, name))
     assert ok, (name, by, message)
+
+
+def test_every_world_patches_names_that_exist():
+    """A world whose patch names a function the code no longer has cannot be planted (the chapter then
+    runs unchanged, and the harness reports it not rejected, one world at a time, an hour later): read
+    each world's `replace(module, name)` and `m.Class.attr` from its source, and look them up now."""
+    import importlib
+    import re
+
+    missing = []
+    for path in sorted((pathlib.Path(__file__).parent / "wrong_worlds" / "chapters").glob("ch*.py")):
+        source = path.read_text()
+        for module, name in re.findall(r'replace\("([\w.]+)", "(\w+)"', source):
+            if not hasattr(importlib.import_module(module), name):
+                missing.append(f"{path.name}: {module}.{name}")
+        for fn, body in re.findall(r'\ndef (\w+)\(\):\n(.*?)(?=\n\S)', source, re.S):
+            for module in re.findall(r'when_imported\("([\w.]+)"', body):
+                found = importlib.import_module(module)
+                for cls, attr in (re.findall(r'\bm\.(\w+)\.(\w+)\s*[,=]', body) + re.findall(r'=\s*m\.(\w+)\.(\w+)\b', body)
+                                  + re.findall(r'setattr\(m\.(\w+), "(\w+)"', body)):
+                    if not hasattr(getattr(found, cls, None), attr):
+                        missing.append(f"{path.name} {fn}: {module}.{cls}.{attr}")
+    assert not missing, "worlds that patch what is not there: " + "; ".join(sorted(set(missing)))

@@ -69,17 +69,13 @@ def _zero1_keeps_its_receive_buffer():
     """The reduce-scatter receives into a buffer the bucket keeps and reuses from step to step (saving an
     allocation): Psi/N elements held between steps that the stage does not list."""
     def patch(m):
-        reduce_scatter = m.Bucket.reduce_scatter
+        reduce_scatter_grads = m.Bucket.reduce_scatter_grads
 
-        def into_a_kept_buffer(self, *, dtype=None, group=None, ring=False):
-            if ring or dtype not in (None, self.comm.dtype):
-                return reduce_scatter(self, dtype=dtype, group=group, ring=ring)
-            if getattr(self, "received", None) is None:
-                self.received = self.comm.new_empty(self.grad_shard.numel())
-            m.reduce_scatter_single(self.received, self.comm, group=group)
-            self.grad_shard.add_(self.received)
-            self.comm = None
-        m.Bucket.reduce_scatter = into_a_kept_buffer
+        def and_a_kept_buffer(self, *args, **kwargs):
+            reduce_scatter_grads(self, *args, **kwargs)
+            if getattr(self, "received", None) is None:  # what the next call would receive into, kept
+                self.received = self.grad_shard.new_empty(self.grad_shard.numel())
+        m.Bucket.reduce_scatter_grads = and_a_kept_buffer
     when_imported("zeronb.zero.buckets", patch)
 
 

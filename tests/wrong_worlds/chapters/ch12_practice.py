@@ -90,16 +90,16 @@ def _buckets_keep_what_they_sent():
     """Each bucket keeps a reference to the last tensor it sent (to send it again after an error, say):
     memory the engine's own list does not name."""
     def patch(m):
-        reduce_scatter, finish = m.Bucket.reduce_scatter, m.Bucket.finish
+        take_grads, finish = m.Bucket.take_grads, m.Bucket.finish
 
-        def reduce_scatter_(self, **kw):
-            self.last_sent = self.comm
-            return reduce_scatter(self, **kw)
+        def take_grads_(self):  # (the flat tensor a reduce-scatter then sends)
+            self.last_sent = take_grads(self)
+            return self.last_sent
 
         def finish_(self):
             self.last_sent = self.comm
             return finish(self)
-        m.Bucket.reduce_scatter, m.Bucket.finish = reduce_scatter_, finish_
+        m.Bucket.take_grads, m.Bucket.finish = take_grads_, finish_
     when_imported("zeronb.zero.buckets", patch)
 
 
