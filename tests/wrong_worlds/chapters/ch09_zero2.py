@@ -96,15 +96,17 @@ def _all_reduces_parameters():
     """After the step each rank all-reduces its buckets with every chunk but its own zeroed (the notes'
     "all-reduce the updated weights"), in place of the all-gather."""
     def patch(m):
-        def gather_parameters(self):
+        def step(self):
             import torch.distributed as dist
+            self.update([b.grad_shard for b in self.buckets])
             for b in self.buckets:
+                b.grad_shard.zero_()
                 mine = b.chunk(self.shard_rank).clone()
-                b.data.data.zero_()
-                b.chunk(self.shard_rank, b.data.data).copy_(mine)
-                dist.all_reduce(b.data.data, group=self.shard_group)
+                b.data.zero_()
+                b.chunk(self.shard_rank).copy_(mine)
+                dist.all_reduce(b.data, group=self.shard_group)
                 b.changed("gathered")
-        m.ZeRO2.gather_parameters = gather_parameters
+        m.ZeRO2.step = step
     when_imported("zeronb.zero.zero2", patch)
 
 
