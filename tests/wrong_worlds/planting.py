@@ -58,9 +58,10 @@ def plant(name: str) -> None:
 
 
 def averaging_over(stage_class: str, ranks):
-    """Make the stages of `stage_class` (a class of zeronb.zero, "Stage" for all) average their
-    gradients over `ranks(stage)` ranks instead of all the ranks whose gradients are averaged."""
-    module = "zeronb.zero.stage" if stage_class == "Stage" else f"zeronb.zero.{stage_class.lower()}"
+    """Make the stages of `stage_class` (a class of zeronb.zero; "FlatStage" for all of zeronb's own)
+    average their gradients over `ranks(stage)` ranks instead of all the ranks whose gradients are
+    averaged."""
+    module = "zeronb.zero.flat" if stage_class == "FlatStage" else f"zeronb.zero.{stage_class.lower()}"
 
     def patch(m):
         cls = getattr(m, stage_class)

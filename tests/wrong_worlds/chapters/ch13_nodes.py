@@ -197,7 +197,7 @@ world("13_nodes", "a model that prices the hops within a node at the slow link",
 # --- the stages -------------------------------------------------------------------------------------------------------------
 
 def _hsdp_divides_by_its_node():
-    averaging_over("Stage", lambda stage: stage.num_shards)
+    averaging_over("FlatStage", lambda stage: stage.num_shards)
 
 
 world("13_nodes", "an HSDP that divides by its node's ranks only", "HSDP averages over every rank of every node: here "
