@@ -38,14 +38,19 @@ class Bucket:
         self.landed = 0
 
     def take_grads(self) -> torch.Tensor:
-        """The bucket's gradients moved into one flat, padded tensor: each .grad is dropped."""
-        flat = torch.zeros_like(self.flat)
-        offset = 0
-        for p in self.params:
-            flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
-            p.grad = None
-            offset += p.numel()
-        return flat
+        return take_grads(self.params, self.flat.numel(), self.flat)
+
+
+def take_grads(params: list, numel: int, like: torch.Tensor) -> torch.Tensor:
+    """The parameters' gradients moved into one flat tensor of `numel` elements (the padding zeros),
+    laid out as `flatten_into` laid out the parameters: each .grad is dropped, so they exist once."""
+    flat = torch.zeros(numel, dtype=like.dtype, device=like.device)
+    offset = 0
+    for p in params:
+        flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+        p.grad = None
+        offset += p.numel()
+    return flat
 
 
 class ZeRO2:

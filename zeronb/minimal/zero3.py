@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..runtime.compat import all_gather_single, reduce_scatter_single
 from .zero1 import flatten_into, padded
+from .zero2 import take_grads
 
 
 class Unit:
@@ -61,14 +62,7 @@ class Unit:
         self.unsharded = False
 
     def take_grads(self) -> torch.Tensor:
-        """The unit's gradients moved into one flat, padded tensor: each .grad is dropped."""
-        flat = torch.zeros(self.flat.numel(), dtype=self.chunk.dtype, device=self.chunk.device)
-        offset = 0
-        for p in self.params:
-            flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
-            p.grad = None
-            offset += p.numel()
-        return flat
+        return take_grads(self.params, self.flat.numel(), self.chunk)  # (self.flat may have 0 bytes: numel stays)
 
 
 class ZeRO3:
